@@ -1,0 +1,56 @@
+"""`holotrain train|export` — the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from holotrain.config import ConfigError, load_config
+
+USAGE = """usage:
+  holotrain train [--config FILE.toml] [--section.key=value ...]
+  holotrain export RUN_DIR OUT_DIR [--checkpoint DIR]
+"""
+
+
+def _train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="holotrain train", add_help=True)
+    parser.add_argument("--config", help="TOML config file (defaults: the embedded tiny model)")
+    known, overrides = parser.parse_known_args(argv)
+    cfg = load_config(known.config, overrides)
+    from holotrain.train import train
+
+    train(cfg)
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="holotrain export")
+    parser.add_argument("run_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--checkpoint", help="checkpoint directory (default: the run's newest)")
+    a = parser.parse_args(argv)
+    from holotrain.export import export_hf
+
+    out = export_hf(a.run_dir, a.out_dir, a.checkpoint)
+    print(f"exported {a.run_dir} -> {out} (Hugging Face LlamaForCausalLM)")
+    return 0
+
+
+COMMANDS = {"train": _train, "export": _export}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr, end="")
+        return 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as e:
+        print(f"holotrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

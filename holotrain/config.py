@@ -1,0 +1,287 @@
+"""Job configuration: dataclass sections, TOML files, `--section.key=value` overrides, validation.
+
+Precedence: dataclass defaults < TOML file (`--config`) < command-line overrides. The resolved config
+(every model dimension filled in from its preset) is what a run saves as `config.toml` and what a
+resumed run reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+from holotrain.model.llama import PRESETS
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the CLI prints it as one line and exits with code 2."""
+
+
+@dataclass
+class JobConfig:
+    name: str = "default"
+    run_dir: str = ""  # empty: runs/<name>
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    # 0 / 0.0 means "take the preset's value"; the resolved config holds the real numbers.
+    dim: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    ffn_dim: int = 0
+    vocab_size: int = 0  # tiny preset: 0 = the tokenizer's vocabulary, rounded up to a multiple of 64
+    max_seq_len: int = 0  # 0 = data.seq_len
+    rope_theta: float = 0.0
+    norm_eps: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    # "stdlib": a corpus built on first use from this Python's standard library .py files.
+    # Otherwise a .txt/.jsonl file, a directory of them, or a glob.
+    dataset: str = "stdlib"
+    text_field: str = "text"
+    seq_len: int = 256
+    tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE on the corpus
+    vocab_size: int = 4096  # size of the BPE trained when data.tokenizer is empty
+    max_corpus_mb: float = 12.0  # cap on the text read for the embedded corpus
+    cache_dir: str = ""  # empty: $HOLOTRAIN_CACHE or ~/.cache/holotrain
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 200
+    batch_size: int = 16  # global: sequences per optimizer step, over all ranks and micro-batches
+    micro_batch_size: int = 0  # per rank per forward; 0 = batch_size / world size (no accumulation)
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    compile: bool = False
+    log_every: int = 10
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints; 0 = only the final one
+    keep: int = 2  # newest checkpoints kept
+    resume: bool = True  # continue from the newest checkpoint in the run directory
+    save_final: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    # Data parallelism over all ranks of a torchrun launch; world size 1 runs unsharded.
+    dp: str = "fsdp"  # fsdp
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class MemoryConfig:
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class ProfileConfig:
+    tensorboard: bool = True
+    progress: bool = True  # rich progress bar when the terminal is interactive
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.job.run_dir or f"runs/{self.job.name}")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError naming the key."""
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                low = text.lower()
+                if low in ("true", "1", "yes", "on", ""):
+                    return True
+                if low in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            if typ is int:
+                return int(text)
+            if typ is float:
+                return float(text)
+        except ValueError:
+            raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected bool, got {value!r}")
+    if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key}: expected int, got {value!r}")
+    if not isinstance(value, typ):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+    sections = {f.name for f in dataclasses.fields(Config)}
+    if section not in sections:
+        raise ConfigError(f"unknown config section {section!r} (known: {', '.join(sorted(sections))})")
+    sec_obj = getattr(cfg, section)
+    hints = typing.get_type_hints(type(sec_obj))
+    if key not in hints:
+        raise ConfigError(f"unknown config key {section}.{key}")
+    setattr(sec_obj, key, _coerce(f"{section}.{key}", value, hints[key]))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """`--training.steps=20` -> ("training", "steps", "20"); a bare `--checkpoint.resume` means true."""
+    out = []
+    for arg in args:
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unrecognized argument {arg!r}: overrides look like --section.key=value")
+        name, _, value = arg[2:].partition("=")
+        section, _, key = name.partition(".")
+        if not key or "." in key:
+            raise ConfigError(f"unrecognized argument {arg!r}: overrides look like --section.key=value")
+        out.append((section, key, value if "=" in arg else "true"))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+            for key, value in values.items():
+                _apply(cfg, section, key, value)
+    for section, key, value in parse_overrides(overrides or []):
+        _apply(cfg, section, key, value)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Resolution and validation
+
+
+def resolve(cfg: Config, tokenizer_vocab: int | None = None) -> Config:
+    """Fill model dims from the preset (and the vocabulary from the tokenizer, once it is known), then
+    validate. Called once before the corpus is prepared, so mistakes surface at once, and again after."""
+    m = cfg.model
+    if m.preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {m.preset!r} (known: {', '.join(PRESETS)})")
+    preset = PRESETS[m.preset]
+    for f in dataclasses.fields(preset):
+        if hasattr(m, f.name) and not getattr(m, f.name):
+            setattr(m, f.name, getattr(preset, f.name))
+    if not m.n_kv_heads:
+        m.n_kv_heads = m.n_heads
+    if not m.max_seq_len:
+        m.max_seq_len = cfg.data.seq_len
+    if not m.vocab_size and tokenizer_vocab is not None:
+        m.vocab_size = -(-tokenizer_vocab // 64) * 64
+    validate(cfg, tokenizer_vocab)
+    return cfg
+
+
+def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
+    m, t, d = cfg.model, cfg.training, cfg.data
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        need(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    need(m.vocab_size >= 0, f"model.vocab_size must be positive, got {m.vocab_size}")
+    if tokenizer_vocab is not None:
+        need(m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
+    need(m.dim % m.n_heads == 0, f"model.n_heads={m.n_heads} does not divide model.dim={m.dim}")
+    need((m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    need(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
+    need(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
+    need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
+    need(d.seq_len > 0, f"data.seq_len must be positive, got {d.seq_len}")
+    need(d.seq_len <= m.max_seq_len, f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    need(d.vocab_size >= 259, f"data.vocab_size must be at least 259 (256 bytes + special tokens), got {d.vocab_size}")
+    if tokenizer_vocab is not None:
+        need(
+            tokenizer_vocab <= m.vocab_size,
+            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab})",
+        )
+    need(t.steps > 0, f"training.steps must be positive, got {t.steps}")
+    need(t.batch_size > 0, f"training.batch_size must be positive, got {t.batch_size}")
+    need(t.micro_batch_size >= 0, f"training.micro_batch_size must be >= 0, got {t.micro_batch_size}")
+    need(t.lr > 0, f"training.lr must be positive, got {t.lr}")
+    need(0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    need(t.warmup_steps >= 0, f"training.warmup_steps must be >= 0, got {t.warmup_steps}")
+    need(t.weight_decay >= 0, f"training.weight_decay must be >= 0, got {t.weight_decay}")
+    need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
+    need(t.grad_clip >= 0, f"training.grad_clip must be >= 0, got {t.grad_clip}")
+    need(t.dtype in ("auto", "bf16", "fp32"), f"training.dtype must be auto, bf16 or fp32, got {t.dtype!r}")
+    need(t.log_every > 0, f"training.log_every must be positive, got {t.log_every}")
+    need(cfg.job.device in ("auto", "cpu", "cuda"), f"job.device must be auto, cpu or cuda, got {cfg.job.device!r}")
+    c = cfg.checkpoint
+    need(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
+    need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
+    need(cfg.parallel.dp == "fsdp", f"parallel.dp must be 'fsdp', got {cfg.parallel.dp!r}")
+
+
+def batch_layout(cfg: Config, world_size: int) -> tuple[int, int]:
+    """(micro_batch_size per rank, gradient accumulation steps) for this world size."""
+    t = cfg.training
+    micro = t.micro_batch_size or t.batch_size // world_size
+    if micro == 0 or t.batch_size % (micro * world_size) != 0:
+        raise ConfigError(
+            f"training.batch_size={t.batch_size} must be a multiple of "
+            f"training.micro_batch_size x world size ({micro or 1} x {world_size})"
+        )
+    return micro, t.batch_size // (micro * world_size)

@@ -1,0 +1,3 @@
+from holotrain.hw.peak import peak_bf16_flops
+
+__all__ = ["peak_bf16_flops"]

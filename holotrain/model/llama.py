@@ -1,0 +1,177 @@
+"""A Llama-architecture decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Reads top to bottom. Parallelism, compilation and activation checkpointing are applied from outside;
+the module layout and the rotary convention (rotate-half) match Hugging Face's LlamaForCausalLM, so
+weights map one to one (see model/hf.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 688
+    vocab_size: int = 0  # 0: taken from the tokenizer
+    max_seq_len: int = 0  # 0: taken from data.seq_len
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, LlamaArgs] = {
+    "tiny": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688),
+    "125m": LlamaArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
+    "1.4b": LlamaArgs(dim=2048, n_layers=24, n_heads=16, n_kv_heads=16, ffn_dim=5632, vocab_size=32000),
+    "7b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000),
+}
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, head_dim], fp32, in the rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; cos/sin: [T, D]. Rotates pairs (i, i + D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 whatever the activation dtype, as the reference implementation does.
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        gqa = self.n_kv_heads != self.n_heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by index keeps names stable when blocks are wrapped or pipelined.
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, 0.02); projections into the residual stream scaled by 1/sqrt(2 * n_layers)."""
+        std = 0.02
+        residual_std = std / math.sqrt(2 * self.args.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                p.normal_(0.0, residual_std, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [B, T] int64. Returns logits [B, T, V], or the mean cross-entropy if targets are given."""
+        T = tokens.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        n -= model.tok_embeddings.weight.numel()
+    return n
+
+
+def flops_per_token(args: LlamaArgs, seq_len: int) -> int:
+    """Training (forward + backward) FLOPs per token.
+
+    Matrix multiplies only, counted exactly from the shapes: 6 FLOPs per weight of every linear layer
+    (the output head included, the embedding lookup not), plus attention's two T x T products,
+    12 * n_layers * dim * seq_len, counted over the full square as PaLM and torchtitan do (the causal
+    kernels skip about half of it, so MFU by this convention matches theirs).
+    """
+    hd = args.head_dim
+    attn = args.dim * hd * (2 * args.n_heads + 2 * args.n_kv_heads)
+    ffn = 3 * args.dim * args.ffn_dim
+    linear = args.n_layers * (attn + ffn) + args.dim * args.vocab_size
+    return 6 * linear + 12 * args.n_layers * args.dim * seq_len

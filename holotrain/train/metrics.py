@@ -1,0 +1,75 @@
+"""Metrics sinks: RUN_DIR/metrics.jsonl (one JSON object per logged step), TensorBoard, terminal."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop rows logged after `last_step` (a resumed run re-runs those steps), atomically."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _fmt(row: dict) -> str:
+    parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}"]
+    parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
+    if row.get("mfu") is not None:
+        parts.append(f"mfu {row['mfu'] * 100:.1f}%")
+    if row.get("mem.peak_gb") is not None:
+        parts.append(f"mem {row['mem.peak_gb']:.1f} GB")
+    return "  ".join(parts)
+
+
+class MetricsLogger:
+    """Only rank 0 constructs one; other ranks log nothing."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
+        self.path = run_dir / "metrics.jsonl"
+        truncate_metrics(self.path, start_step)
+        self.file = open(self.path, "a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_step + 1)
+        self.console = Console(stderr=False)
+        self.progress = None
+        if progress and sys.stdout.isatty():
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                TimeRemainingColumn(), console=self.console,
+            )
+            self.task = self.progress.add_task("", total=total_steps, completed=start_step)
+            self.progress.start()
+
+    def log(self, row: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self.file.write(json.dumps(clean) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in clean.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar(key.replace(".", "/"), value, row["step"])
+        if self.progress is not None:
+            self.progress.update(self.task, completed=row["step"], description=_fmt(row))
+        else:
+            self.console.print(_fmt(row), highlight=False)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+        self.file.close()

@@ -1,0 +1,222 @@
+"""The training loop. Every lever is reached from here in one hop: data, model, parallel, memory, hw."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+
+from holotrain.config import Config, ConfigError, batch_layout, resolve
+from holotrain.data import TokenBatches, prepare_corpus
+from holotrain.hw import peak_bf16_flops
+from holotrain.memory import apply_activation_checkpointing
+from holotrain.model import Llama, LlamaArgs, flops_per_token, num_params
+from holotrain.parallel import DistEnv, apply_fsdp, init_distributed
+from holotrain.parallel.launch import destroy_distributed
+from holotrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from holotrain.train.metrics import MetricsLogger
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to training.lr, then cosine decay to lr * min_lr_ratio at the last step."""
+    t = cfg.training
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    min_lr = t.lr * t.min_lr_ratio
+    return min_lr + 0.5 * (t.lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def model_args(cfg: Config) -> LlamaArgs:
+    return LlamaArgs(**{f.name: getattr(cfg.model, f.name) for f in fields(LlamaArgs)})
+
+
+def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """Builds the plain model with seeded weights, then applies the levers from outside."""
+    args = model_args(cfg)
+    # One process: initialize straight on the device. Several: initialize on the CPU, where every rank
+    # draws the same numbers, then shard, so the result is independent of the world size.
+    init_device = env.device if env.world_size == 1 else torch.device("cpu")
+    torch.manual_seed(cfg.job.seed)
+    with init_device:
+        model = Llama(args)
+    if cfg.memory.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.training.compile:
+        for block in model.layers.values():
+            block.compile()
+    if env.world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
+        apply_fsdp(model, mesh, compute_dtype, cfg.parallel.reshard_after_forward)
+        model.to(env.device)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW, fused; no weight decay on norms (1-D parameters)."""
+    t = cfg.training
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
+
+
+def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
+    choice = cfg.training.dtype
+    if choice == "auto":
+        choice = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def _global_mean(value: torch.Tensor, env: DistEnv) -> float:
+    if env.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.AVG)
+    return value.item()
+
+
+def train(cfg: Config) -> list[dict]:
+    """Runs (or resumes) the job described by cfg. Returns the rows logged by this call (rank 0)."""
+    env = init_distributed(cfg.job.device)
+    try:
+        return _train(cfg, env)
+    finally:
+        destroy_distributed()
+
+
+def _train(cfg: Config, env: DistEnv) -> list[dict]:
+    run_dir = cfg.run_dir
+    resolve(cfg)  # everything but the vocabulary can be checked before the corpus is built
+    # Rank 0 builds the corpus cache; the others then find it ready.
+    if env.is_main:
+        corpus = prepare_corpus(cfg.data)
+    if env.world_size > 1:
+        dist.barrier()
+    if not env.is_main:
+        corpus = prepare_corpus(cfg.data)
+    resolve(cfg, tokenizer_vocab=corpus.vocab_size)
+    micro, accum = batch_layout(cfg, env.world_size)
+
+    resume_from = latest_checkpoint(run_dir)
+    if resume_from is not None and not cfg.checkpoint.resume:
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints; set checkpoint.resume=true to continue it or choose another job.run_dir"
+        )
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(cfg.to_toml())
+        (run_dir / "tokenizer.json").write_bytes(corpus.tokenizer_path.read_bytes())
+
+    dtype = compute_dtype_for(cfg, env.device)
+    model = build_model(cfg, env, dtype)
+    optimizer = build_optimizer(model, cfg)
+    data = TokenBatches(corpus.tokens, cfg.data.seq_len, cfg.job.seed, env.rank, env.world_size)
+
+    start_step = 0
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer)
+        start_step = state["step"]
+        data.load_state_dict(state["data"])
+    if start_step >= cfg.training.steps:
+        if env.is_main:
+            print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
+        return []
+
+    logger = None
+    if env.is_main:
+        logger = MetricsLogger(run_dir, cfg.training.steps, start_step, cfg.profile.tensorboard, cfg.profile.progress)
+        print(
+            f"holotrain: {num_params(model) / 1e6:.1f}M parameters, world size {env.world_size}, device {env.device}, "
+            f"{dtype}, batch {cfg.training.batch_size} x {cfg.data.seq_len} "
+            f"(micro {micro}, accumulation {accum}), steps {start_step} -> {cfg.training.steps}, run dir {run_dir}"
+        )
+
+    # Autocast on one device; FSDP2 applies bf16 itself through its mixed-precision policy.
+    use_autocast = dtype == torch.bfloat16 and env.world_size == 1
+    autocast = (
+        torch.autocast(env.device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
+    )
+    tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
+    flops_per_step = flops_per_token(model_args(cfg), cfg.data.seq_len) * tokens_per_step / env.world_size
+    peak = peak_bf16_flops(env.device)
+    clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
+    log_every = cfg.training.log_every
+    rows: list[dict] = []
+
+    loss_sum = torch.zeros((), device=env.device)
+    interval_start = time.perf_counter()
+    interval_steps = 0
+    data_wait = 0.0
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+    for step in range(start_step, cfg.training.steps):
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for m in range(accum):
+            t0 = time.perf_counter()
+            x, y = data.micro_batch(m, micro)
+            x = x.to(env.device, non_blocking=True)
+            y = y.to(env.device, non_blocking=True)
+            data_wait += time.perf_counter() - t0
+            if env.world_size > 1:
+                model.set_requires_gradient_sync(m == accum - 1)
+            with autocast:
+                loss = model(x, y) / accum
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        data.advance(cfg.training.batch_size)
+        interval_steps += 1
+        done = step + 1
+
+        if done % log_every == 0 or done == cfg.training.steps:
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            loss_value = _global_mean(loss_sum, env) / interval_steps
+            gn = grad_norm.item()  # synchronizes the device: the interval's time is now complete
+            elapsed = time.perf_counter() - interval_start
+            step_s = elapsed / interval_steps
+            flops_s = flops_per_step / step_s
+            row = {
+                "step": done,
+                "loss": loss_value,
+                "lr": lr,
+                "grad_norm": gn,
+                "tokens_per_s": tokens_per_step / step_s,
+                "tflops": flops_s / 1e12,
+                "mfu": flops_s / peak if peak else None,
+                "step_s": step_s,
+                "time.data_wait": data_wait / interval_steps,
+                "mem.peak_gb": torch.cuda.max_memory_allocated(env.device) / 1e9 if env.device.type == "cuda" else None,
+                "data.samples": data.samples_consumed,
+                "tokens": done * tokens_per_step,
+            }
+            if logger is not None:
+                logger.log(row)
+                rows.append(row)
+            loss_sum.zero_()
+            interval_steps, data_wait = 0, 0.0
+            interval_start = time.perf_counter()
+
+        every = cfg.checkpoint.every
+        if (every and done % every == 0) or (done == cfg.training.steps and cfg.checkpoint.save_final):
+            save_checkpoint(
+                run_dir, done, model, optimizer,
+                {"step": done, "data": data.state_dict(), "world_size": env.world_size},
+                keep=cfg.checkpoint.keep,
+            )
+
+    if logger is not None:
+        logger.close()
+    return rows

@@ -1,0 +1,56 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def corpus_cache(tmp_path_factory):
+    """One corpus/tokenizer cache for the whole session, outside the user's home."""
+    cache = tmp_path_factory.mktemp("holotrain-cache")
+    os.environ["HOLOTRAIN_CACHE"] = str(cache)
+    return cache
+
+
+def tiny_args(run_dir, **overrides) -> list[str]:
+    """Command-line overrides for a model small enough to train in seconds on a CPU."""
+    base = {
+        "job.run_dir": str(run_dir),
+        "model.dim": 64,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.n_kv_heads": 2,
+        "model.ffn_dim": 176,
+        "data.seq_len": 32,
+        "data.vocab_size": 512,
+        "data.max_corpus_mb": 1,
+        "training.batch_size": 8,
+        "training.steps": 12,
+        "training.warmup_steps": 2,
+        "training.log_every": 1,
+        "checkpoint.every": 3,
+        "profile.tensorboard": False,
+        "profile.progress": False,
+    }
+    base.update(overrides)
+    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in base.items()]
+
+
+def run_cli(*args, env=None, check=True, timeout=600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "holotrain.cli", *args],
+        capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"holotrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_metrics(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,99 @@
+import pytest
+
+from holotrain.config import Config, ConfigError, batch_layout, load_config, parse_overrides, resolve
+from tests.conftest import run_cli
+
+
+def test_defaults_resolve_from_preset():
+    cfg = resolve(load_config(), tokenizer_vocab=4000)
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads) == (256, 4, 8)
+    assert cfg.model.vocab_size == 4032  # rounded up to a multiple of 64
+    assert cfg.model.max_seq_len == cfg.data.seq_len
+
+
+def test_1_4b_preset_dims():
+    cfg = resolve(load_config(None, ["--model.preset=1.4b", "--data.seq_len=2048"]), tokenizer_vocab=4096)
+    m = cfg.model
+    assert (m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.vocab_size) == (2048, 24, 16, 5632, 32000)
+
+
+def test_toml_then_overrides(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[training]\nsteps = 7\nlr = 1\n[job]\nname = "x"\n')
+    cfg = load_config(path, ["--training.steps=9", "--checkpoint.resume"])
+    assert cfg.training.steps == 9
+    assert cfg.training.lr == 1.0 and isinstance(cfg.training.lr, float)
+    assert cfg.checkpoint.resume is True
+    assert cfg.job.name == "x"
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = resolve(load_config(None, ["--training.steps=5"]), tokenizer_vocab=512)
+    path = tmp_path / "config.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(path).to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--training.bogus=1"], "training.bogus"),
+        (["--nosuch.key=1"], "nosuch"),
+        (["--training.steps=abc"], "training.steps"),
+        (["--training.compile=maybe"], "training.compile"),
+        (["--model.dim=100", "--model.n_heads=3"], "model.n_heads"),
+        (["--model.n_kv_heads=3"], "model.n_kv_heads"),
+        (["--training.steps=0"], "training.steps"),
+        (["--training.lr=-1"], "training.lr"),
+        (["--model.preset=13t"], "model.preset"),
+    ],
+)
+def test_bad_values_name_the_key(args, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        resolve(load_config(None, args), tokenizer_vocab=512)
+
+
+def test_toml_unknown_key_and_wrong_type(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\ndimm = 3\n")
+    with pytest.raises(ConfigError, match=r"model\.dimm"):
+        load_config(path)
+    path.write_text('[training]\nsteps = "many"\n')
+    with pytest.raises(ConfigError, match=r"training\.steps"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_batch_layout():
+    cfg = Config()
+    cfg.training.batch_size = 16
+    assert batch_layout(cfg, 1) == (16, 1)
+    assert batch_layout(cfg, 2) == (8, 1)
+    cfg.training.micro_batch_size = 4
+    assert batch_layout(cfg, 2) == (4, 2)
+    cfg.training.micro_batch_size = 3
+    with pytest.raises(ConfigError, match="training.batch_size"):
+        batch_layout(cfg, 2)
+
+
+def test_override_syntax():
+    assert parse_overrides(["--a.b=1", "--c.d"]) == [("a", "b", "1"), ("c", "d", "true")]
+    with pytest.raises(ConfigError):
+        parse_overrides(["steps=3"])
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--model.n_heads=7"], "model.n_heads"),
+        (["--training.stepz=3"], "training.stepz"),
+        (["--training.steps=x"], "training.steps"),
+    ],
+)
+def test_cli_config_error_is_one_line_exit_2(tmp_path, args, key):
+    proc = run_cli("train", f"--job.run_dir={tmp_path}", "--data.max_corpus_mb=0.2", "--data.vocab_size=300", *args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert key in lines[0] and "Traceback" not in proc.stderr

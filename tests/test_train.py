@@ -1,0 +1,133 @@
+"""End-to-end training through the CLI: metrics, checkpoints, exact resume after SIGKILL, crash during save, export."""
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from holotrain.train.checkpoint import SafeFileSystemReader, latest_checkpoint
+from tests.conftest import REPO, read_metrics, run_cli, tiny_args
+
+
+def losses(run_dir):
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """An uninterrupted 40-step run that the interrupted ones must reproduce exactly."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    run_cli("train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2}))
+    return run_dir
+
+
+def test_run_dir_contents_and_metrics(reference_run):
+    rows = read_metrics(reference_run)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "step_s", "mem.peak_gb"):
+        assert key in rows[0]
+    assert rows[0]["mfu"] is None and rows[0]["mem.peak_gb"] is None  # CPU: no known peak, no GPU memory
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    assert (reference_run / "config.toml").is_file()
+    assert latest_checkpoint(reference_run).name == "step-40"
+    kept = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
+    assert kept == ["step-38", "step-40"]  # checkpoint.keep = 2
+
+
+def test_resume_after_sigkill_is_bit_exact(reference_run, tmp_path):
+    run_dir = tmp_path / "killed"
+    args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2})]
+    kill_after = random.Random().randint(5, 30)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "holotrain.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"run ended before the kill at step {kill_after}"
+    killed_at = len(read_metrics(run_dir))
+    assert killed_at < 40
+    run_cli(*args)
+    assert losses(run_dir) == losses(reference_run), f"killed after step {killed_at}"
+
+
+def test_crash_during_checkpoint_save_keeps_previous(reference_run, tmp_path):
+    run_dir = tmp_path / "crash"
+    args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2})]
+    proc = run_cli(*args, env={"HOLOTRAIN_KILL_DURING_SAVE": "12"}, check=False)
+    assert proc.returncode == -signal.SIGKILL
+    assert (run_dir / "checkpoints" / ".tmp-step-12").is_dir()  # the half-written one
+    assert latest_checkpoint(run_dir).name == "step-10"
+    run_cli(*args)
+    assert losses(run_dir) == losses(reference_run)
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_finished_run_is_not_retrained_and_fresh_start_refuses_existing(reference_run):
+    proc = run_cli("train", *tiny_args(reference_run, **{"training.steps": 40}))
+    assert "already trained" in proc.stdout
+    proc = run_cli("train", *tiny_args(reference_run, **{"checkpoint.resume": False}), check=False)
+    assert proc.returncode == 2 and "checkpoint.resume" in proc.stderr
+
+
+def test_checkpoint_metadata_refuses_foreign_pickle(reference_run, tmp_path):
+    """A tampered .metadata naming an arbitrary callable is refused, not executed."""
+    import shutil
+
+    ckpt = tmp_path / "evil"
+    shutil.copytree(latest_checkpoint(reference_run), ckpt)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        SafeFileSystemReader(ckpt).read_metadata()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_gradient_accumulation_matches_full_batch(tmp_path):
+    full, accum = tmp_path / "full", tmp_path / "accum"
+    run_cli("train", *tiny_args(full, **{"training.steps": 6}))
+    run_cli("train", *tiny_args(accum, **{"training.steps": 6, "training.micro_batch_size": 2}))
+    for a, b in zip(read_metrics(full), read_metrics(accum)):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+def test_export_loads_in_transformers_with_same_logits(reference_run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    run_cli("export", str(reference_run), str(out))
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+
+    from holotrain.config import load_config
+    from holotrain.model import Llama
+    from holotrain.train import model_args
+    from holotrain.train.checkpoint import load_model_weights
+
+    ours = Llama(model_args(load_config(reference_run / "config.toml"))).eval()
+    load_model_weights(latest_checkpoint(reference_run), ours)
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 32))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_export_of_non_run_dir_is_a_clear_error(tmp_path):
+    proc = run_cli("export", str(tmp_path), str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2 and "config.toml" in proc.stderr and "Traceback" not in proc.stderr
