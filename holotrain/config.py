@@ -19,7 +19,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-import tomli_w
 
 from holotrain.model.llama import PRESETS
 
@@ -79,6 +78,7 @@ class TrainingConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     compile: bool = False
+    attention: str = "auto"  # preferred attention kernel on GPU: auto | cudnn | flash
     log_every: int = 10
 
 
@@ -123,6 +123,8 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_toml(self) -> str:
+        import tomli_w
+
         return tomli_w.dumps(self.to_dict())
 
     @property
@@ -267,6 +269,7 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
     need(t.grad_clip >= 0, f"training.grad_clip must be >= 0, got {t.grad_clip}")
     need(t.dtype in ("auto", "bf16", "fp32"), f"training.dtype must be auto, bf16 or fp32, got {t.dtype!r}")
+    need(t.attention in ("auto", "cudnn", "flash"), f"training.attention must be auto, cudnn or flash, got {t.attention!r}")
     need(t.log_every > 0, f"training.log_every must be positive, got {t.log_every}")
     need(cfg.job.device in ("auto", "cpu", "cuda"), f"job.device must be auto, cpu or cuda, got {cfg.job.device!r}")
     c = cfg.checkpoint

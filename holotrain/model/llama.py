@@ -149,9 +149,13 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, cos, sin)
-        logits = self.output(self.norm(h))
         if targets is None:
-            return logits
+            return self.output(self.norm(h))
+        return self.loss(h, targets)
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and mean cross-entropy (in fp32), a unit that compiles into few kernels."""
+        logits = self.output(self.norm(h))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
