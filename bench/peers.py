@@ -128,19 +128,30 @@ def build_variant(name: str, a, device):
         return peer_step(fwd, opt, lambda m, x, y: m(x, y)), (model, opt)
     if name.startswith("holotrain"):
         # holotrain as the trainer runs it: its model, its levers, its optimizer and its step.
-        opts = {"holotrain": [], "holotrain-eager": ["--training.compile=false"]}
-        extra = opts.get(name)
-        if extra is None:  # holotrain-<attention kernel>
-            extra = [f"--training.attention={name.split('-', 1)[1]}"]
-        cfg = load_config(None, [
+        # "holotrain-a-b" switches levers off or picks kernels, to show what each one gives.
+        switches = set(name.split("-")[1:])
+        unknown = switches - {"eager", "nofuse", "noclipfold", "flash", "cudnn"}
+        if unknown:
+            raise SystemExit(f"unknown holotrain switches {sorted(unknown)}")
+        overrides = [
             f"--model.preset={ARGS.preset}", f"--data.seq_len={ARGS.seq_len}", f"--training.batch_size={ARGS.batch}",
-            "--training.compile=true", "--training.grad_clip=1.0", *extra,
-        ])
+            f"--training.compile={'false' if 'eager' in switches else 'true'}", "--training.grad_clip=1.0",
+        ]
+        for kernel in switches & {"flash", "cudnn"}:
+            overrides.append(f"--training.attention={kernel}")
+        cfg = load_config(None, overrides)
         resolve(cfg, tokenizer_vocab=a.vocab_size)
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
+        torch._dynamo.reset()
         model = build_model(cfg, env, torch.bfloat16)
+        if "nofuse" in switches:
+            for mod in model.modules():
+                if hasattr(mod, "fuse_projections"):
+                    mod.fuse_projections = False
         opt = build_optimizer(model, cfg)
         train_step = TrainStep(model, opt, cfg, env, torch.bfloat16)
+        if "noclipfold" in switches:
+            train_step.fold_clip = False
 
         def step(x, y):
             return train_step(lambda m: (x, y), 1, 3e-4)[0]
@@ -204,7 +215,7 @@ def run_variant(name, a, batches, energy):
         "tflops": fpt * tokens / step_s / 1e12,
         "mfu": fpt * tokens / step_s / peak if peak else None,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
-        "loss": float(loss),
+        "loss": float(loss.detach()),
         "warmup_s": warm_s,
         "j_per_1k_tokens": (e1 - e0) / (tokens * ARGS.steps) * 1000 if e0 is not None else None,
         "mean_sm_mhz": statistics.mean(clocks) if clocks and clocks[0] is not None else None,
