@@ -130,7 +130,7 @@ def build_variant(name: str, a, device):
         # holotrain as the trainer runs it: its model, its levers, its optimizer and its step.
         # "holotrain-a-b" switches levers off or picks kernels, to show what each one gives.
         switches = set(name.split("-")[1:])
-        unknown = switches - {"eager", "nofuse", "noclipfold", "flash", "cudnn"}
+        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn"}
         if unknown:
             raise SystemExit(f"unknown holotrain switches {sorted(unknown)}")
         overrides = [
@@ -144,10 +144,8 @@ def build_variant(name: str, a, device):
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
         torch._dynamo.reset()
         model = build_model(cfg, env, torch.bfloat16)
-        if "nofuse" in switches:
-            for mod in model.modules():
-                if hasattr(mod, "fuse_projections"):
-                    mod.fuse_projections = False
+        if "fp32residual" in switches:
+            model.residual_in_autocast_dtype = False
         opt = build_optimizer(model, cfg)
         train_step = TrainStep(model, opt, cfg, env, torch.bfloat16)
         if "noclipfold" in switches:

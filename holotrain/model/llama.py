@@ -76,22 +76,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-        # One GEMM for q, k and v over the concatenated weights: x is read once and backward's three
-        # input-gradient products become one. Parameters stay separate (checkpoints, HF names, and
-        # tensor parallelism, which switches this off because it shards each projection by heads).
-        self.fuse_projections = True
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        if self.fuse_projections:
-            w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
-            kv = self.n_kv_heads * self.head_dim
-            q, k, v = F.linear(x, w).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         gqa = self.n_kv_heads != self.n_heads
@@ -105,14 +95,9 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
-        self.fuse_projections = True  # gate and up as one GEMM, as in Attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fuse_projections:
-            gate, up = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)
-        else:
-            gate, up = self.w1(x), self.w3(x)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
@@ -140,6 +125,7 @@ class Llama(nn.Module):
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.residual_in_autocast_dtype = True
         self.init_weights()
 
     @torch.no_grad()
@@ -163,6 +149,10 @@ class Llama(nn.Module):
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(tokens)
+        if self.residual_in_autocast_dtype and torch.is_autocast_enabled(h.device.type):
+            # Carry the residual stream in the autocast dtype (bf16), as FSDP2's bf16 parameters do:
+            # every norm and residual add then moves half the bytes.
+            h = h.to(torch.get_autocast_dtype(h.device.type))
         for block in self.layers.values():
             h = block(h, cos, sin)
         if targets is None:
