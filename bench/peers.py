@@ -130,12 +130,12 @@ def build_variant(name: str, a, device):
         # holotrain as the trainer runs it: its model, its levers, its optimizer and its step.
         # "holotrain-a-b" switches levers off or picks kernels, to show what each one gives.
         switches = set(name.split("-")[1:])
-        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn"}
+        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune"}
         if unknown:
             raise SystemExit(f"unknown holotrain switches {sorted(unknown)}")
         overrides = [
             f"--model.preset={ARGS.preset}", f"--data.seq_len={ARGS.seq_len}", f"--training.batch_size={ARGS.batch}",
-            f"--training.compile={'false' if 'eager' in switches else 'true'}", "--training.grad_clip=1.0",
+            f"--training.compile={'false' if switches & {'eager', 'autotune'} else 'true'}", "--training.grad_clip=1.0",
         ]
         for kernel in switches & {"flash", "cudnn"}:
             overrides.append(f"--training.attention={kernel}")
@@ -144,6 +144,10 @@ def build_variant(name: str, a, device):
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
         torch._dynamo.reset()
         model = build_model(cfg, env, torch.bfloat16)
+        if "autotune" in switches:  # the trainer's regional compilation, with inductor's GEMM autotuning
+            for block in model.layers.values():
+                block.compile(mode="max-autotune-no-cudagraphs")
+            model.loss = torch.compile(model.loss, mode="max-autotune-no-cudagraphs")
         if "fp32residual" in switches:
             model.residual_in_autocast_dtype = False
         opt = build_optimizer(model, cfg)
