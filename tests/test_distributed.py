@@ -38,6 +38,9 @@ def test_two_process_fsdp_matches_one_process(tmp_path):
         assert rb["loss"] == pytest.approx(ra["loss"], abs=2e-4), (ra, rb)
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3)
     assert a[-1]["loss"] < a[0]["loss"]
+    # The sharded checkpoint exports to one Hugging Face model file.
+    run_cli("export", str(two), str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -131,3 +131,44 @@ def test_export_loads_in_transformers_with_same_logits(reference_run, tmp_path):
 def test_export_of_non_run_dir_is_a_clear_error(tmp_path):
     proc = run_cli("export", str(tmp_path), str(tmp_path / "out"), check=False)
     assert proc.returncode == 2 and "config.toml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _tiny_step_setup(grad_clip=1.0):
+    from holotrain.config import load_config, resolve
+    from holotrain.parallel import DistEnv
+    from holotrain.train.trainer import TrainStep, build_model, build_optimizer
+
+    cfg = resolve(load_config(None, [
+        "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
+        "--data.seq_len=8", f"--training.grad_clip={grad_clip}",
+    ]), tokenizer_vocab=64)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model = build_model(cfg, env, torch.float32)
+    opt = build_optimizer(model, cfg)
+    batch = (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
+    return model, opt, TrainStep(model, opt, cfg, env, torch.float32), batch
+
+
+def test_non_finite_gradients_skip_the_step():
+    model, _, step, batch = _tiny_step_setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.output.weight.register_hook(lambda g: g * float("inf"))
+    _, grad_norm = step(lambda m: batch, 1, 1e-2)
+    assert not torch.isfinite(grad_norm)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_folded_clipping_equals_explicit_clipping():
+    """The clip folded into fused AdamW updates the weights as clip_grad_norm_ + AdamW would."""
+    model, opt, step, batch = _tiny_step_setup(grad_clip=0.05)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    twin, twin_opt, twin_step, _ = _tiny_step_setup(grad_clip=0.05)
+    twin.load_state_dict(reference)
+    twin_step.fold_clip = False
+    _, n1 = step(lambda m: batch, 1, 1e-2)
+    _, n2 = twin_step(lambda m: batch, 1, 1e-2)
+    assert n1.item() > 0.05  # clipping really happened
+    assert torch.allclose(n1, n2)
+    for (k, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), k

@@ -126,20 +126,26 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.residual_in_autocast_dtype = True
-        self.init_weights()
+        if not self.output.weight.is_meta:  # a model built on "meta" is initialized after placement
+            self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, 0.02); projections into the residual stream scaled by 1/sqrt(2 * n_layers)."""
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, 0.02); projections into the residual stream scaled by 1/sqrt(2 * n_layers).
+
+        Values are drawn on the CPU from one generator, parameter by parameter, whatever the device or
+        sharding, so a model sharded over any number of ranks starts from the same weights as a whole one.
+        """
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
         std = 0.02
         residual_std = std / math.sqrt(2 * self.args.n_layers)
         for name, p in self.named_parameters():
+            full = torch.empty(p.shape, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                p.normal_(0.0, residual_std, generator=generator)
+                full.fill_(1.0)
             else:
-                p.normal_(0.0, std, generator=generator)
+                full.normal_(0.0, residual_std if name.endswith(("wo.weight", "w2.weight")) else std, generator=generator)
+            _copy_full_into(p, full)
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -163,6 +169,16 @@ class Llama(nn.Module):
         """Final norm, output head and mean cross-entropy (in fp32), a unit that compiles into few kernels."""
         logits = self.output(self.norm(h))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a whole (unsharded) tensor into a parameter, which may be a DTensor shard (FSDP2)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor and keeps its own slice, no communication.
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(full)
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:

@@ -39,11 +39,9 @@ def model_args(cfg: Config) -> LlamaArgs:
 def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype) -> torch.nn.Module:
     """Builds the plain model with seeded weights, then applies the levers from outside."""
     args = model_args(cfg)
-    # One process: initialize straight on the device. Several: initialize on the CPU, where every rank
-    # draws the same numbers, then shard, so the result is independent of the world size.
-    init_device = env.device if env.world_size == 1 else torch.device("cpu")
-    torch.manual_seed(cfg.job.seed)
-    with init_device:
+    # Built on "meta" (no memory), wrapped by the levers, placed (sharded, if FSDP), and only then
+    # initialized: a 7B model never exists whole in host memory, and the seed alone decides the weights.
+    with torch.device("meta"):
         model = Llama(args)
     if cfg.memory.activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -58,7 +56,8 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype) -> torch.
 
         mesh = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
         apply_fsdp(model, mesh, compute_dtype, cfg.parallel.reshard_after_forward)
-        model.to(env.device)
+    model.to_empty(device=env.device)
+    model.init_weights(seed=cfg.job.seed)
     return model
 
 
