@@ -1,7 +1,6 @@
 """FSDP2 over two gloo processes must train like one process on the same global batch."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -10,16 +9,10 @@ import pytest
 from tests.conftest import REPO, read_metrics, run_cli, tiny_args
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(nproc: int, *args, env=None, ok=True) -> None:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "holotrain.cli", *args,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "holotrain.cli", *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
