@@ -20,11 +20,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+from holotrain.data.sources import SourceConfig
+from holotrain.errors import ConfigError
 from holotrain.model.llama import PRESETS
-
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration; the CLI prints it as one line and exits with code 2."""
 
 
 @dataclass
@@ -52,15 +50,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "stdlib": a corpus built on first use from this Python's standard library .py files.
-    # Otherwise a .txt/.jsonl file, a directory of them, or a glob.
-    dataset: str = "stdlib"
-    text_field: str = "text"
+    # [[data.sources]] tables (name, path, weight, weight_schedule, text_field); none: the embedded
+    # corpus, two sources built from this Python's standard library (code, and docstrings as prose).
+    sources: list = field(default_factory=list)
     seq_len: int = 256
-    tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE on the corpus
+    tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE on the sources
     vocab_size: int = 4096  # size of the BPE trained when data.tokenizer is empty
-    max_corpus_mb: float = 12.0  # cap on the text read for the embedded corpus
+    tokenizer_sample_mb: float = 8.0  # text the BPE is trained on
     cache_dir: str = ""  # empty: $HOLOTRAIN_CACHE or ~/.cache/holotrain
+    workers: int = 4  # most loader processes per node, over all sources (they scale with demand)
+    chunk_mb: float = 1.0  # unit of work of a loader
+    prefetch_steps: int = 4  # steps the plane builds ahead of training
+    balance: bool = True  # balance attention cost across data-parallel ranks
+    shuffle: bool = True  # chunk order shuffled per epoch
+    log_samples: bool = False  # write RUN_DIR/samples.jsonl: the documents of every sample (rank 0's)
 
 
 @dataclass
@@ -173,7 +176,25 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     hints = typing.get_type_hints(type(sec_obj))
     if key not in hints:
         raise ConfigError(f"unknown config key {section}.{key}")
+    if (section, key) == ("data", "sources"):
+        sec_obj.sources = _sources(value)
+        return
     setattr(sec_obj, key, _coerce(f"{section}.{key}", value, hints[key]))
+
+
+def _sources(value: Any) -> list[SourceConfig]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError("data.sources: declare sources as [[data.sources]] tables in a TOML file")
+    hints = typing.get_type_hints(SourceConfig)
+    out = []
+    for i, table in enumerate(value):
+        src = SourceConfig()
+        for k, v in table.items():
+            if k not in hints:
+                raise ConfigError(f"unknown config key data.sources[{i}].{k}")
+            setattr(src, k, v if k == "weight_schedule" else _coerce(f"data.sources[{i}].{k}", v, hints[k]))
+        out.append(src)
+    return out
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
@@ -253,6 +274,22 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
     need(d.seq_len > 0, f"data.seq_len must be positive, got {d.seq_len}")
     need(d.seq_len <= m.max_seq_len, f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    names = [s.name for s in d.sources]
+    for i, src in enumerate(d.sources):
+        need(bool(src.name), f"data.sources[{i}].name is empty")
+        need(bool(src.path), f"data.sources[{src.name}].path is empty")
+        need(src.weight >= 0, f"data.sources[{src.name}].weight must be >= 0, got {src.weight}")
+        sched = src.weight_schedule
+        ok = isinstance(sched, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p) and p[1] >= 0
+            for p in sched
+        ) and all(a[0] < b[0] for a, b in zip(sched, sched[1:]))
+        need(ok, f"data.sources[{src.name}].weight_schedule must be [[step, weight], ...] with increasing steps")
+    need(len(set(names)) == len(names), f"data.sources: names must be unique, got {names}")
+    need(not d.sources or any(s.weight > 0 or s.weight_schedule for s in d.sources), "data.sources: all weights are 0")
+    need(d.workers >= 1, f"data.workers must be >= 1, got {d.workers}")
+    need(d.chunk_mb > 0, f"data.chunk_mb must be positive, got {d.chunk_mb}")
+    need(d.prefetch_steps >= 1, f"data.prefetch_steps must be >= 1, got {d.prefetch_steps}")
     need(d.vocab_size >= 259, f"data.vocab_size must be at least 259 (256 bytes + special tokens), got {d.vocab_size}")
     if tokenizer_vocab is not None:
         need(

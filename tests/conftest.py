@@ -28,7 +28,7 @@ def tiny_args(run_dir, **overrides) -> list[str]:
         "model.ffn_dim": 176,
         "data.seq_len": 32,
         "data.vocab_size": 512,
-        "data.max_corpus_mb": 1,
+        "data.tokenizer_sample_mb": 1,
         "training.batch_size": 8,
         "training.steps": 12,
         "training.warmup_steps": 2,

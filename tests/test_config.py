@@ -92,7 +92,7 @@ def test_override_syntax():
     ],
 )
 def test_cli_config_error_is_one_line_exit_2(tmp_path, args, key):
-    proc = run_cli("train", f"--job.run_dir={tmp_path}", "--data.max_corpus_mb=0.2", "--data.vocab_size=300", *args, check=False)
+    proc = run_cli("train", f"--job.run_dir={tmp_path}", "--data.tokenizer_sample_mb=0.2", "--data.vocab_size=300", *args, check=False)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

@@ -1,4 +1,1 @@
-from holotrain.data.corpus import PreparedCorpus, prepare_corpus
-from holotrain.data.dataset import TokenBatches
-
-__all__ = ["PreparedCorpus", "prepare_corpus", "TokenBatches"]
+"""The data plane. Kept free of torch imports: loader processes import this package."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
 @dataclass
@@ -49,11 +50,46 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos/sin: [T, D]. Rotates pairs (i, i + D/2)."""
+    """x: [B, T, H, D]; cos/sin: [T, D] (shared positions) or [B, T, D] (per-token). Rotates pairs (i, i + D/2)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Index of each token within its document, from non-decreasing doc_ids [B, T]: [0,0,1,1,1,2] -> [0,1,0,1,2,0]."""
+    idx = torch.arange(doc_ids.shape[-1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    # Running maximum of the start indices seen so far = where the current document began.
+    return idx - torch.where(starts, idx, 0).cummax(dim=-1).values
+
+
+def doc_attn_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [B, 1, T, T] for SDPA, True where a query may attend: causal and in the same document."""
+    T = doc_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+# Compiled on first CUDA use (not at import), so a CPU import compiles nothing.
+_flex = _compiled_create_block_mask = None
+
+
+def doc_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """The same mask as doc_attn_mask, as flex_attention's block-sparse BlockMask."""
+    global _flex, _compiled_create_block_mask
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=False)
+        # Compiled, it never materializes the dense [B, T, T] mask.
+        _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    B, T = doc_ids.shape
+    return _compiled_create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
 
 
 class RMSNorm(nn.Module):
@@ -77,7 +113,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        """mask: None (plain causal), a boolean SDPA mask [B, 1, T, T], or a flex_attention BlockMask."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -85,7 +123,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         gqa = self.n_kv_heads != self.n_heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(mask, BlockMask):
+            y = _flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -108,8 +151,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -150,25 +194,38 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [B, T] int64. Returns logits [B, T, V], or the mean cross-entropy if targets are given."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [B, T] int64. Returns logits [B, T, V], or the mean cross-entropy if targets are given
+        (positions where targets are -100 are ignored).
+
+        doc_ids: optional [B, T] int64, non-decreasing along T, the document of each token in a packed row.
+        With it, positions restart at every document and no token attends across documents.
+        """
         T = tokens.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if doc_ids is None:
+            cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
+        else:
+            pos = doc_positions(doc_ids)
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [B, T, D]
+            # Built once per forward and shared by every block.
+            mask = doc_block_mask(doc_ids) if doc_ids.is_cuda else doc_attn_mask(doc_ids)
         h = self.tok_embeddings(tokens)
         if self.residual_in_autocast_dtype and torch.is_autocast_enabled(h.device.type):
             # Carry the residual stream in the autocast dtype (bf16), as FSDP2's bf16 parameters do:
             # every norm and residual add then moves half the bytes.
             h = h.to(torch.get_autocast_dtype(h.device.type))
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, mask)
         if targets is None:
             return self.output(self.norm(h))
         return self.loss(h, targets)
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Final norm, output head and mean cross-entropy (in fp32), a unit that compiles into few kernels."""
+        """Final norm, output head and mean cross-entropy (in fp32) over targets other than -100,
+        a unit that compiles into few kernels."""
         logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100)
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -122,9 +122,11 @@ def _rng_state() -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int
+    run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    """Collective: every rank calls it. `extra_files` (name -> text, given on rank 0) are written into the
+    checkpoint before it is published. Returns the final checkpoint directory."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -138,10 +140,12 @@ def save_checkpoint(
         dcp.save({"model": model_sd, "optim": optim_sd, "rng": _rng_state()}, checkpoint_id=tmp)
     _maybe_inject_fault(step)
     if _rank() == 0:
-        with open(tmp / TRAINER_STATE, "w") as f:
-            json.dump(trainer_state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        # trainer_state.json goes last: its presence marks a checkpoint whose files are all written.
+        for name, text in [*(extra_files or {}).items(), (TRAINER_STATE, json.dumps(trainer_state))]:
+            with open(tmp / name, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
         _fsync_dir(tmp)
     _barrier()
     if _rank() == 0:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import time
 from dataclasses import fields
 
@@ -11,14 +13,15 @@ import torch
 import torch.distributed as dist
 
 from holotrain.config import Config, ConfigError, batch_layout, resolve
-from holotrain.data import TokenBatches, prepare_corpus
 from holotrain.hw import peak_bf16_flops
 from holotrain.memory import apply_activation_checkpointing
 from holotrain.model import Llama, LlamaArgs, flops_per_token, num_params
 from holotrain.parallel import DistEnv, apply_fsdp, init_distributed
 from holotrain.parallel.launch import destroy_distributed
 from holotrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from holotrain.train.metrics import MetricsLogger
+from holotrain.train.metrics import MetricsLogger, truncate_metrics
+
+DATA_STATE = "data_state.json"
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -112,11 +115,11 @@ class TrainStep:
         device_type = self.env.device.type
         with attention_kernels(self.attention, self.env.device):
             for m in range(accum):
-                x, y = fetch(m)
+                batch = fetch(m)  # (inputs, targets[, doc_ids])
                 if self.env.world_size > 1:
                     self.model.set_requires_gradient_sync(m == accum - 1)
                 with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast):
-                    loss = self.model(x, y) / accum
+                    loss = self.model(*batch) / accum
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
         if self.fold_clip:
@@ -149,17 +152,44 @@ def train(cfg: Config) -> list[dict]:
         destroy_distributed()
 
 
+def _data_plane(cfg: Config, env: DistEnv, tokenizer, micro: int, accum: int, state: dict | None, start_step: int):
+    """Starts this node's data plane (local rank 0) and connects this rank to it."""
+    from holotrain.data.client import DataClient, plane_address, start_plane
+    from holotrain.data.corpus import EOS, PAD
+    from holotrain.data.plane import PlaneSpec
+
+    d = cfg.data
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    node_first = env.rank - env.local_rank
+    spec = PlaneSpec(
+        sources=d.sources, tokenizer_path=str(cfg.run_dir / "tokenizer.json"), eos_id=tokenizer.token_to_id(EOS),
+        pad_id=tokenizer.token_to_id(PAD) or 0, seq_len=d.seq_len, global_batch=cfg.training.batch_size,
+        world_size=env.world_size, local_ranks=list(range(node_first, node_first + local)), micro_batch=micro,
+        accum=accum, seed=cfg.job.seed, max_workers=d.workers, chunk_bytes=int(d.chunk_mb * 2**20),
+        prefetch_steps=d.prefetch_steps, balance=d.balance, shuffle=d.shuffle, log_samples=d.log_samples,
+    )
+    address, key = plane_address(cfg.run_dir)
+    plane = start_plane(spec, state, address, key) if env.local_rank == 0 else None
+    return DataClient(address, key, env.rank, start_step, env.device, plane=plane)
+
+
 def _train(cfg: Config, env: DistEnv) -> list[dict]:
+    from holotrain.data.corpus import cache_dir, prepare_tokenizer, stdlib_sources
+
     run_dir = cfg.run_dir
-    resolve(cfg)  # everything but the vocabulary can be checked before the corpus is built
-    # Rank 0 builds the corpus cache; the others then find it ready.
-    if env.is_main:
-        corpus = prepare_corpus(cfg.data)
-    if env.world_size > 1:
-        dist.barrier()
-    if not env.is_main:
-        corpus = prepare_corpus(cfg.data)
-    resolve(cfg, tokenizer_vocab=corpus.vocab_size)
+    resolve(cfg)  # everything but the vocabulary can be checked before the sources are read
+    d = cfg.data
+    # Rank 0 builds the embedded corpus and the tokenizer cache; the others then find them ready.
+    for turn in ("first", "rest"):
+        if (turn == "first") == env.is_main:
+            if not d.sources:
+                d.sources = stdlib_sources(cache_dir(d.cache_dir))
+            tokenizer, tokenizer_path = prepare_tokenizer(
+                d.sources, d.tokenizer, d.vocab_size, d.tokenizer_sample_mb, cache_dir(d.cache_dir)
+            )
+        if turn == "first" and env.world_size > 1:
+            dist.barrier()
+    resolve(cfg, tokenizer_vocab=tokenizer.get_vocab_size())
     micro, accum = batch_layout(cfg, env.world_size)
 
     resume_from = latest_checkpoint(run_dir)
@@ -170,23 +200,32 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
-        (run_dir / "tokenizer.json").write_bytes(corpus.tokenizer_path.read_bytes())
+        (run_dir / "tokenizer.json").write_bytes(tokenizer_path.read_bytes())
+    if env.world_size > 1:
+        dist.barrier()  # tokenizer.json is in place for the data plane
 
     dtype = compute_dtype_for(cfg, env.device)
     model = build_model(cfg, env, dtype)
     optimizer = build_optimizer(model, cfg)
-    data = TokenBatches(corpus.tokens, cfg.data.seq_len, cfg.job.seed, env.rank, env.world_size)
 
-    start_step = 0
+    start_step, data_state = 0, None
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer)
         start_step = state["step"]
-        data.load_state_dict(state["data"])
+        data_state = json.loads((resume_from / DATA_STATE).read_text())
     if start_step >= cfg.training.steps:
         if env.is_main:
             print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
         return []
+    data = _data_plane(cfg, env, tokenizer, micro, accum, data_state, start_step)
+    try:
+        return _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype)
+    finally:
+        data.close(stop_plane=env.local_rank == 0)
 
+
+def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> list[dict]:
+    run_dir = cfg.run_dir
     logger = None
     if env.is_main:
         logger = MetricsLogger(run_dir, cfg.training.steps, start_step, cfg.profile.tensorboard, cfg.profile.progress)
@@ -210,21 +249,20 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
 
-    def fetch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        nonlocal data_wait
-        t0 = time.perf_counter()
-        x, y = data.micro_batch(m, micro)
-        if env.device.type == "cuda":
-            x, y = x.pin_memory(), y.pin_memory()
-        batch = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-        data_wait += time.perf_counter() - t0
-        return batch
+    samples_log = None
+    if env.is_main and cfg.data.log_samples:
+        truncate_metrics(run_dir / "samples.jsonl", start_step)
+        samples_log = open(run_dir / "samples.jsonl", "a")
 
     for step in range(start_step, cfg.training.steps):
         lr = lr_at(step, cfg)
-        loss, grad_norm = train_step(fetch, accum, lr)
+        micro_batches, waited = data.next()
+        data_wait += waited
+        loss, grad_norm = train_step(micro_batches.__getitem__, accum, lr)
         loss_sum += loss
-        data.advance(cfg.training.batch_size)
+        if samples_log is not None:
+            samples_log.write(json.dumps({"step": step + 1, "samples": data.samples}) + "\n")
+            samples_log.flush()
         interval_steps += 1
         done = step + 1
 
@@ -247,8 +285,14 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
                 "step_s": step_s,
                 "time.data_wait": data_wait / interval_steps,
                 "mem.peak_gb": torch.cuda.max_memory_allocated(env.device) / 1e9 if env.device.type == "cuda" else None,
-                "data.samples": data.samples_consumed,
                 "tokens": done * tokens_per_step,
+                "data.tokens_by_source": data.stats.get("tokens_by_source"),
+                "data.skipped": data.stats.get("skipped"),
+                "data.skip_examples": data.stats.get("skip_examples"),
+                "data.padding": data.stats.get("padding"),
+                "data.cost_max_over_mean": data.stats.get("cost_max_over_mean"),
+                "data.workers": data.stats.get("workers"),
+                "data.worker_restarts": data.stats.get("worker_restarts"),
             }
             if logger is not None:
                 logger.log(row)
@@ -259,12 +303,14 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
 
         every = cfg.checkpoint.every
         if (every and done % every == 0) or (done == cfg.training.steps and cfg.checkpoint.save_final):
+            data_state = data.state(done) if env.is_main else None
             save_checkpoint(
-                run_dir, done, model, optimizer,
-                {"step": done, "data": data.state_dict(), "world_size": env.world_size},
-                keep=cfg.checkpoint.keep,
+                run_dir, done, model, optimizer, {"step": done, "world_size": env.world_size},
+                keep=cfg.checkpoint.keep, extra_files={DATA_STATE: json.dumps(data_state)} if env.is_main else None,
             )
 
     if logger is not None:
         logger.close()
+    if samples_log is not None:
+        samples_log.close()
     return rows

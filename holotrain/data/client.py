@@ -1,0 +1,143 @@
+"""The per-rank side of the data plane: starts the node's plane (local rank 0), then prefetches this rank's
+batches from it into pinned memory and onto the GPU on a side stream, so the step does not wait."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import threading
+import time
+from multiprocessing import shared_memory
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from holotrain.data.plane import PlaneSpec, plane_main
+
+
+def plane_address(run_dir: Path) -> tuple[str, bytes]:
+    """A Unix socket path and key that every local rank of this job derives alike."""
+    job = "|".join([str(Path(run_dir).resolve()), os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                    os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
+                    os.environ.get("GROUP_RANK", "0"), str(os.getpid() if "LOCAL_RANK" not in os.environ else "")])
+    digest = hashlib.sha256(job.encode()).hexdigest()
+    return os.path.join(tempfile.gettempdir(), f"holotrain-{digest[:16]}.sock"), digest[16:48].encode()
+
+
+def start_plane(spec: PlaneSpec, state: dict | None, address: str, authkey: bytes) -> mp.Process:
+    if os.path.exists(address):
+        os.unlink(address)
+    proc = mp.get_context("spawn").Process(
+        target=plane_main, args=(address, authkey, spec, state, os.getpid()), daemon=False, name="holotrain-data-plane"
+    )
+    proc.start()
+    return proc
+
+
+def _connect(address: str, authkey: bytes, timeout: float = 300.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(address, family="AF_UNIX", authkey=authkey)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"data plane at {address} did not come up in {timeout:.0f} s") from None
+            time.sleep(0.05)
+
+
+class DataClient:
+    """Yields, per optimizer step, this rank's micro-batches as (inputs, targets, doc_ids) on the device."""
+
+    def __init__(self, address: str, authkey: bytes, rank: int, start_step: int, device: torch.device,
+                 plane: mp.Process | None = None, depth: int = 2):
+        self.rank, self.device, self.plane = rank, device, plane
+        self.address = address
+        self._batches = _connect(address, authkey)
+        self._control = _connect(address, authkey)
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stop = threading.Event()
+        self.stats: dict = {}
+        self.samples = None
+        self._thread = threading.Thread(target=self._prefetch, args=(start_step,), daemon=True)
+        self._thread.start()
+
+    def _request(self, conn, msg):
+        conn.send(msg)
+        status, payload = conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"data plane failed: {payload}")
+        return payload
+
+    def _prefetch(self, step: int) -> None:
+        try:
+            while not self._stop.is_set():
+                reply = self._request(self._batches, ("batch", step, self.rank))
+                shm = shared_memory.SharedMemory(name=reply["shm"])
+                host = torch.from_numpy(np.ndarray(reply["shape"], dtype=np.int32, buffer=shm.buf).copy())
+                shm.close()
+                shm.unlink()
+                event = None
+                if self._stream is not None:
+                    host = host.pin_memory()
+                    with torch.cuda.stream(self._stream):
+                        dev = host.to(self.device, non_blocking=True).long()
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                else:
+                    dev = host.long()
+                self._put((dev, event, reply["stats"], reply["samples"]))
+                step += 1
+        except BaseException as e:  # handed to the training loop, which raises it
+            self._put(e)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], float]:
+        """This rank's micro-batches for the next step, and the seconds spent waiting for them."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if self.plane is not None and not self.plane.is_alive():
+                    raise RuntimeError(f"the data plane process exited with code {self.plane.exitcode}")
+        waited = time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            raise item
+        batch, event, self.stats, self.samples = item
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            batch.record_stream(torch.cuda.current_stream(self.device))
+        inputs, targets, doc_ids = batch  # each [accum, micro, T]
+        return [(inputs[m], targets[m], doc_ids[m]) for m in range(inputs.shape[0])], waited
+
+    def state(self, steps_done: int) -> dict | None:
+        """The plane's state after `steps_done` steps, for a checkpoint."""
+        return self._request(self._control, ("state", steps_done))
+
+    def close(self, stop_plane: bool) -> None:
+        self._stop.set()
+        if stop_plane:
+            try:
+                self._request(self._control, ("close",))
+            except (EOFError, OSError, RuntimeError):
+                pass
+            if self.plane is not None:
+                self.plane.join(timeout=10)
+                if self.plane.is_alive():
+                    self.plane.terminate()
+        for conn in (self._batches, self._control):
+            conn.close()

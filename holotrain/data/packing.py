@@ -1,0 +1,147 @@
+"""Packing documents into fixed-length samples (best fit) and balancing attention cost across ranks.
+
+A sample holds `length` tokens (the model's inputs plus one for the shifted targets) made of document
+pieces; documents are never merged across a piece boundary, and the model masks attention per piece.
+A document longer than a sample is cut into sample-sized pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class Piece:
+    tokens: np.ndarray  # uint32
+    key: tuple  # (source, epoch, file, offset, start token within the document)
+
+
+@dataclass(eq=False)
+class Bin:
+    pieces: list[Piece] = field(default_factory=list)
+    used: int = 0
+
+    def cost(self) -> int:
+        """Attention work of this sample: sum of squared piece lengths (causal, masked per document)."""
+        return sum(len(p.tokens) ** 2 for p in self.pieces)
+
+
+class Packer:
+    """Best-fit bin packing over a window of open samples; deterministic in the order of documents."""
+
+    def __init__(self, length: int, max_open: int):
+        self.length, self.max_open = length, max_open
+        self.open: list[Bin] = []
+        self.ready: list[Bin] = []
+        self.pad_tokens = 0
+        self.total_tokens = 0
+
+    def add(self, tokens: np.ndarray, key: tuple) -> None:
+        for start in range(0, len(tokens), self.length):
+            self._place(Piece(tokens[start : start + self.length], key[:4] + (start,)))
+
+    def _place(self, piece: Piece) -> None:
+        n = len(piece.tokens)
+        best, best_room = None, self.length + 1
+        for b in self.open:
+            room = self.length - b.used
+            if n <= room < best_room:
+                best, best_room = b, room
+        if best is None:
+            best = Bin()
+            self.open.append(best)
+        best.pieces.append(piece)
+        best.used += n
+        if best.used == self.length:
+            self.open.remove(best)
+            self.ready.append(best)
+        elif len(self.open) > self.max_open:
+            fullest = max(self.open, key=lambda b: b.used)  # close the fullest; the rest may still fill
+            self.open.remove(fullest)
+            self.ready.append(fullest)
+
+    def has(self, n: int) -> bool:
+        return len(self.ready) >= n
+
+    def take(self, n: int) -> list[Bin]:
+        out, self.ready = self.ready[:n], self.ready[n:]
+        for b in out:
+            self.pad_tokens += self.length - b.used
+            self.total_tokens += self.length
+        return out
+
+    def state_dict(self) -> dict:
+        def enc(bins):
+            return [[(p.key, p.tokens) for p in b.pieces] for b in bins]
+
+        return {"open": enc(self.open), "ready": enc(self.ready), "pad": self.pad_tokens, "total": self.total_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        def dec(bins):
+            out = []
+            for pieces in bins:
+                b = Bin([Piece(np.asarray(t, dtype=np.uint32), tuple(k)) for k, t in pieces])
+                b.used = sum(len(p.tokens) for p in b.pieces)
+                out.append(b)
+            return out
+
+        self.open, self.ready = dec(state["open"]), dec(state["ready"])
+        self.pad_tokens, self.total_tokens = int(state["pad"]), int(state["total"])
+
+
+def sample_arrays(bins: list[Bin], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """inputs [n, length-1], targets [n, length-1] (-100 where nothing is to be predicted) and doc_ids
+    [n, length-1] (piece index within the row; padding is one more piece)."""
+    n = len(bins)
+    tokens = np.full((n, length), pad_id, dtype=np.int64)
+    docs = np.empty((n, length), dtype=np.int64)
+    for r, b in enumerate(bins):
+        pos = 0
+        for d, p in enumerate(b.pieces):
+            tokens[r, pos : pos + len(p.tokens)] = p.tokens
+            docs[r, pos : pos + len(p.tokens)] = d
+            pos += len(p.tokens)
+        docs[r, pos:] = len(b.pieces)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].copy()
+    # A position predicts the next token only inside its own document piece (and never padding).
+    same_doc = docs[:, :-1] == docs[:, 1:]
+    is_pad = docs[:, 1:] == np.array([len(b.pieces) for b in bins])[:, None]
+    targets[~same_doc | is_pad] = -100
+    return np.ascontiguousarray(inputs), targets, np.ascontiguousarray(docs[:, :-1])
+
+
+def balance(costs: list[int], ranks: int) -> list[list[int]]:
+    """Split sample indices into `ranks` equal-count groups with near-equal total cost.
+
+    Longest-processing-time first under a cardinality limit, then pairwise swaps between the most and
+    least loaded ranks while a swap lowers the maximum.
+    """
+    n = len(costs)
+    per = n // ranks
+    order = sorted(range(n), key=lambda i: (-costs[i], i))
+    groups: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for i in order:
+        r = min((r for r in range(ranks) if len(groups[r]) < per), key=lambda r: (load[r], r))
+        groups[r].append(i)
+        load[r] += costs[i]
+    for _ in range(4 * n):
+        hi = max(range(ranks), key=lambda r: load[r])
+        lo = min(range(ranks), key=lambda r: load[r])
+        gap = load[hi] - load[lo]
+        best = None
+        for a in groups[hi]:
+            for b in groups[lo]:
+                delta = costs[a] - costs[b]
+                if 0 < delta < gap and (best is None or abs(gap - 2 * delta) < abs(gap - 2 * best[2])):
+                    best = (a, b, delta)
+        if best is None:
+            break
+        a, b, delta = best
+        groups[hi][groups[hi].index(a)] = b
+        groups[lo][groups[lo].index(b)] = a
+        load[hi] -= delta
+        load[lo] += delta
+    return [sorted(g) for g in groups]

@@ -1,0 +1,453 @@
+"""The data plane service: one process per node that owns the source loaders and the constructor.
+
+    loader workers (per source, autoscaled)  --shared memory-->  constructor (mixture, packing, balance)
+        --shared memory, one block per rank and step-->  clients in the training ranks (client.py)
+
+Each source is read once per node, whatever the number of ranks. The constructor consumes every source's
+chunks in a fixed order, so the batches are a pure function of the sources, the seed and the state,
+whatever the number of workers or their timing. A worker that dies is replaced and its unfinished chunks
+are read again by the replacement (its differential state is the set of chunks it had not delivered);
+nothing is lost or repeated because chunks enter the constructor only whole and in order.
+
+This module must not import torch: the service process stays small.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+import numpy as np
+
+from holotrain.data.mixture import Mixture
+from holotrain.data.packing import Packer, balance, sample_arrays
+from holotrain.data.sources import SourceConfig, plan_chunks, source_files
+from holotrain.data.worker import block_views, worker_main
+from holotrain.errors import ConfigError
+
+
+@dataclass
+class PlaneSpec:
+    """Everything the service needs; plain data so it crosses a process boundary."""
+
+    sources: list[SourceConfig]
+    tokenizer_path: str
+    eos_id: int
+    pad_id: int
+    seq_len: int
+    global_batch: int  # samples per optimizer step, all ranks
+    world_size: int
+    local_ranks: list[int]  # global ranks served by this node's plane
+    micro_batch: int
+    accum: int
+    seed: int
+    max_workers: int = 4
+    chunk_bytes: int = 1 << 20
+    prefetch_steps: int = 4
+    balance: bool = True
+    shuffle: bool = True
+    log_samples: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Loader workers
+
+
+@dataclass
+class _Worker:
+    proc: mp.Process
+    source: int
+    tasks: object
+    inflight: dict = field(default_factory=dict)  # (epoch, index) -> chunk
+    retired: bool = False
+
+
+class LoaderPool:
+    """Loader processes per source; dispatches chunks, collects them, replaces the dead, scales with demand."""
+
+    def __init__(self, spec: PlaneSpec, files: list[list[Path]]):
+        self.spec, self.files = spec, files
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.workers: dict[int, _Worker] = {}
+        self.ready: dict[tuple, dict] = {}  # (source, epoch, index) -> result
+        self.cond = threading.Condition()
+        self.restarts = 0
+        self._next_id = 0
+        self._last_scale = [0.0] * len(spec.sources)
+        self._delivered = [0] * len(spec.sources)
+        self._closed = False
+        for s in range(len(spec.sources)):
+            self._spawn(s)
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _spawn(self, source: int) -> _Worker:
+        src = self.spec.sources[source]
+        tasks = self.ctx.Queue()
+        proc = self.ctx.Process(
+            target=worker_main, daemon=True,
+            args=(self._next_id, [str(f) for f in self.files[source]], src.text_field, self.spec.tokenizer_path,
+                  self.spec.eos_id, tasks, self.results, os.getpid()),
+        )
+        proc.start()
+        w = _Worker(proc, source, tasks)
+        self.workers[self._next_id] = w
+        self._next_id += 1
+        return w
+
+    def _collect(self) -> None:
+        while not self._closed:
+            try:
+                kind, wid, res = self.results.get(timeout=0.5)
+            except Exception:
+                continue
+            with self.cond:
+                key = (res["source"], res["epoch"], res["index"])
+                w = self.workers.get(wid)
+                if w is not None:
+                    w.inflight.pop((res["epoch"], res["index"]), None)
+                if key in self.ready or self._dispatched_elsewhere(key, wid):
+                    _unlink(res["shm"])  # a duplicate from a worker presumed dead: drop it
+                else:
+                    self.ready[key] = res
+                    self._delivered[res["source"]] += 1
+                self.cond.notify_all()
+
+    def _dispatched_elsewhere(self, key: tuple, wid: int) -> bool:
+        return any(i != wid and (key[1], key[2]) in w.inflight for i, w in self.workers.items() if w.source == key[0])
+
+    def live(self, source: int) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.source == source and not w.retired]
+
+    def counts(self) -> dict[str, int]:
+        return {s.name: len(self.live(i)) for i, s in enumerate(self.spec.sources)}
+
+    def prefetch(self, source: int, upcoming: list[tuple[int, object]]) -> None:
+        """Dispatch the next chunks of a source (in consumption order) to its least-loaded workers."""
+        with self.cond:
+            self._replace_dead()
+            workers = self.live(source)
+            inflight = {k for w in workers for k in w.inflight}
+            for epoch, chunk in upcoming:
+                key = (epoch, chunk.index)
+                if key in inflight or (source, epoch, chunk.index) in self.ready:
+                    continue
+                w = min(workers, key=lambda w: len(w.inflight))
+                if len(w.inflight) >= 2:
+                    break
+                w.inflight[key] = chunk
+                w.tasks.put((chunk, epoch))
+            # Too much read ahead: give a worker back (never the last one).
+            backlog = sum(1 for k in self.ready if k[0] == source)
+            if backlog > 4 * len(workers) and len(workers) > 1 and not workers[-1].inflight:
+                workers[-1].retired = True
+                workers[-1].tasks.put(None)
+
+    def wait(self, source: int, epoch: int, index: int) -> dict:
+        key = (source, epoch, index)
+        t0 = time.monotonic()
+        with self.cond:
+            while key not in self.ready:
+                self._replace_dead()
+                if time.monotonic() - t0 > 0.05:
+                    self._scale_up(source)
+                self.cond.wait(0.05)
+            return self.ready.pop(key)
+
+    def _scale_up(self, source: int) -> None:
+        """The constructor is waiting for this source: add a worker if the CPU budget allows."""
+        now = time.monotonic()
+        total = sum(1 for w in self.workers.values() if not w.retired)
+        booted = self._delivered[source] > 0  # a worker still starting up is not a shortage
+        if booted and total < self.spec.max_workers and now - self._last_scale[source] > 0.5:
+            self._last_scale[source] = now
+            self._spawn(source)
+
+    def _replace_dead(self) -> None:
+        for wid, w in list(self.workers.items()):
+            if w.retired or w.proc.is_alive():
+                continue
+            w.retired = True
+            self.restarts += 1
+            new = self._spawn(w.source)
+            for (epoch, _), chunk in w.inflight.items():  # what it never delivered is read again
+                new.inflight[(epoch, chunk.index)] = chunk
+                new.tasks.put((chunk, epoch))
+            w.inflight = {}
+
+    def close(self) -> None:
+        self._closed = True
+        for w in self.workers.values():
+            if w.proc.is_alive():
+                w.proc.terminate()
+        for res in self.ready.values():
+            _unlink(res["shm"])
+
+
+def _unlink(name: str) -> None:
+    try:
+        shm = shared_memory.SharedMemory(name=name)
+        shm.close()
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _take_block(res: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Copy a worker's chunk out of shared memory and free the block."""
+    shm = shared_memory.SharedMemory(name=res["shm"])
+    tokens, starts, keys = (a.copy() for a in block_views(shm.buf, res["n_tokens"], res["n_docs"]))
+    shm.close()
+    shm.unlink()
+    return tokens, starts, keys
+
+
+# ----------------------------------------------------------------------------------------------
+# The constructor
+
+
+class SourceStream:
+    """One source's documents in their fixed order: chunk order per epoch, documents in file order."""
+
+    def __init__(self, index: int, chunks: list, pool: LoaderPool, seed: int, shuffle: bool, name: str):
+        self.index, self.chunks, self.pool, self.name = index, chunks, pool, name
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.position, self.doc = 0, 0, 0
+        self.current = None
+        self.skipped, self.skip_examples = 0, []
+        self._orders: dict[int, np.ndarray] = {}
+        self._empty_chunks_in_row = 0
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            n = len(self.chunks)
+            perm = np.random.default_rng([self.seed, self.index, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = perm
+        return self._orders[epoch]
+
+    def upcoming(self, n: int) -> list[tuple[int, object]]:
+        out, epoch, pos = [], self.epoch, self.position
+        for _ in range(n):
+            out.append((epoch, self.chunks[self.order(epoch)[pos]]))
+            pos += 1
+            if pos == len(self.chunks):
+                epoch, pos = epoch + 1, 0
+        return out
+
+    def next_doc(self) -> tuple[np.ndarray, tuple]:
+        while self.current is None or self.doc >= len(self.current[1]) - 1:
+            if self.current is not None:
+                self.position, self.doc = self.position + 1, 0
+                if self.position == len(self.chunks):
+                    self.epoch, self.position = self.epoch + 1, 0
+            self.pool.prefetch(self.index, self.upcoming(8))
+            res = self.pool.wait(self.index, self.epoch, self.chunks[self.order(self.epoch)[self.position]].index)
+            if self.doc == 0:  # a chunk re-read after a resume was already counted
+                self.skipped += res["skipped"]
+                self.skip_examples = (self.skip_examples + res["skip_examples"])[:5]
+            self.current = _take_block(res)
+            self._empty_chunks_in_row = 0 if res["n_docs"] else self._empty_chunks_in_row + 1
+            if self._empty_chunks_in_row > len(self.chunks):
+                raise ConfigError(f"data source {self.name!r} holds no readable documents")
+        tokens, starts, keys = self.current
+        d = self.doc
+        self.doc += 1
+        return tokens[starts[d] : starts[d + 1]], (self.index, self.epoch, int(keys[d, 0]), int(keys[d, 1]))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "doc": self.doc, "skipped": self.skipped,
+                "skip_examples": self.skip_examples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.doc = state["epoch"], state["position"], state["doc"]
+        self.skipped, self.skip_examples = state["skipped"], list(state["skip_examples"])
+        self.current = None
+        if self.doc > 0:  # reopen the chunk in progress and continue after its last consumed document
+            res = self.pool.wait(self.index, self.epoch, self._fetch_current())
+            self.current = _take_block(res)
+
+    def _fetch_current(self) -> int:
+        self.pool.prefetch(self.index, self.upcoming(8))
+        return self.chunks[self.order(self.epoch)[self.position]].index
+
+
+class Constructor:
+    def __init__(self, spec: PlaneSpec, streams: list[SourceStream]):
+        self.spec, self.streams = spec, streams
+        self.mixture = Mixture([s.weight for s in spec.sources], [s.weight_schedule for s in spec.sources])
+        self.packer = Packer(spec.seq_len + 1, max_open=max(8, 2 * spec.global_batch))
+        self.step = 0  # steps produced
+
+    def produce(self) -> dict:
+        """The next step's batch for every rank of this node, and what it is made of."""
+        spec, n = self.spec, self.spec.global_batch
+        while not self.packer.has(n):
+            s = self.mixture.pick()
+            tokens, key = self.streams[s].next_doc()
+            self.mixture.account(s, len(tokens), self.step)
+            self.packer.add(tokens, key)
+        bins = self.packer.take(n)
+        per = n // spec.world_size
+        if spec.balance and spec.world_size > 1:
+            groups = balance([b.cost() for b in bins], spec.world_size)
+        else:
+            groups = [list(range(r * per, (r + 1) * per)) for r in range(spec.world_size)]
+        costs = [sum(bins[i].cost() for i in g) for g in groups]
+        out = {"ranks": {}, "cost_max_over_mean": max(costs) / (sum(costs) / len(costs)) if sum(costs) else 1.0}
+        for rank in spec.local_ranks:
+            rank_bins = [bins[i] for i in groups[rank]]
+            inputs, targets, doc_ids = sample_arrays(rank_bins, spec.seq_len + 1, spec.pad_id)
+            out["ranks"][rank] = {"arrays": (inputs, targets, doc_ids),
+                                  "samples": [[list(p.key) for p in b.pieces] for b in rank_bins]}
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict:
+        packer = self.packer.state_dict()
+        for which in ("open", "ready"):
+            packer[which] = [[(list(k), t.tolist()) for k, t in b] for b in packer[which]]
+        return {"step": self.step, "streams": [s.state_dict() for s in self.streams],
+                "mixture": self.mixture.state_dict(), "packer": packer}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.mixture.load_state_dict(state["mixture"])
+        self.packer.load_state_dict(state["packer"])
+        for s, st in zip(self.streams, state["streams"]):
+            s.load_state_dict(st)
+
+    def stats(self) -> dict:
+        return {
+            "tokens_by_source": {s.name: self.mixture.actual[i] for i, s in enumerate(self.streams)},
+            "skipped": sum(s.skipped for s in self.streams),
+            "skip_examples": [e for s in self.streams for e in s.skip_examples][:5],
+            "padding": self.packer.pad_tokens / max(1, self.packer.total_tokens),
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# The service process
+
+
+def _put_arrays(arrays: tuple[np.ndarray, ...], accum: int, micro: int) -> dict:
+    """One shared block per rank and step: inputs, targets, doc ids as int32 [accum, micro, T]."""
+    stacked = np.stack([a.reshape(accum, micro, -1) for a in arrays]).astype(np.int32)
+    shm = shared_memory.SharedMemory(create=True, size=stacked.nbytes)
+    np.ndarray(stacked.shape, dtype=np.int32, buffer=shm.buf)[:] = stacked
+    name = shm.name
+    shm.close()
+    resource_tracker.unregister(shm._name, "shared_memory")  # the client unlinks it
+    return {"shm": name, "shape": stacked.shape}
+
+
+def plane_main(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, parent_pid: int) -> None:
+    try:
+        _serve(address, authkey, spec, state, parent_pid)
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, parent_pid: int) -> None:
+    files = [source_files(s) for s in spec.sources]
+    pool = LoaderPool(spec, files)
+    streams = [
+        SourceStream(i, plan_chunks(i, f, spec.chunk_bytes), pool, spec.seed, spec.shuffle, s.name)
+        for i, (s, f) in enumerate(zip(spec.sources, files))
+    ]
+    constructor = Constructor(spec, streams)
+    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    if state is not None:
+        constructor.load_state_dict(state)
+    produced: dict[int, dict] = {}  # step -> {"ranks", "state", "stats"}
+    cond = threading.Condition()
+    consumed = {r: constructor.step for r in spec.local_ranks}  # next step each rank will ask for
+    error: list[str] = []
+    stop = threading.Event()
+
+    def producer() -> None:
+        try:
+            while not stop.is_set():
+                with cond:
+                    while constructor.step >= min(consumed.values()) + spec.prefetch_steps and not stop.is_set():
+                        cond.wait(0.1)
+                if stop.is_set():
+                    return
+                step_index = constructor.step
+                out = constructor.produce()
+                entry = {
+                    "ranks": {r: {**_put_arrays(v["arrays"], spec.accum, spec.micro_batch),
+                                  "samples": v["samples"] if spec.log_samples else None}
+                              for r, v in out["ranks"].items()},
+                    "state": constructor.state_dict(),
+                    "stats": {**constructor.stats(), "cost_max_over_mean": out["cost_max_over_mean"],
+                              "workers": pool.counts(), "worker_restarts": pool.restarts},
+                }
+                with cond:
+                    produced[step_index] = entry
+                    # Keep a few steps' state for checkpoints that lag behind production.
+                    for old in [s for s in produced if s < min(consumed.values()) - 2 * spec.prefetch_steps]:
+                        del produced[old]
+                    cond.notify_all()
+        except BaseException as e:  # surfaced to every client as one message
+            error.append(str(e) if isinstance(e, ConfigError) else traceback.format_exc())
+            with cond:
+                cond.notify_all()
+
+    def wait_step(step: int) -> dict:
+        with cond:
+            while step not in produced and not error:
+                cond.wait(0.1)
+            if error:
+                raise RuntimeError(error[0])
+            return produced[step]
+
+    def handle(conn) -> None:
+        try:
+            while True:
+                msg = conn.recv()
+                try:
+                    if msg[0] == "batch":
+                        _, step, rank = msg
+                        with cond:
+                            consumed[rank] = max(consumed[rank], step)
+                            cond.notify_all()
+                        entry = wait_step(step)
+                        conn.send(("ok", {**entry["ranks"][rank], "stats": entry["stats"]}))
+                    elif msg[0] == "state":
+                        conn.send(("ok", wait_step(msg[1] - 1)["state"] if msg[1] > 0 else None))
+                    elif msg[0] == "close":
+                        conn.send(("ok", None))
+                        stop.set()
+                        return
+                except RuntimeError as e:
+                    conn.send(("error", str(e)))
+        except (EOFError, OSError):
+            return
+
+    def accept() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=producer, daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    while not stop.wait(0.5):
+        if os.getppid() != parent_pid:  # the training process is gone: so is the plane
+            stop.set()
+    pool.close()
+    for entry in produced.values():
+        for r in entry["ranks"].values():
+            _unlink(r["shm"])
+    listener.close()

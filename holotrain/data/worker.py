@@ -1,0 +1,79 @@
+"""A source loader process: reads chunks of one source, tokenizes them, and hands the tokens over in
+shared memory. Only a chunk's name and sizes travel through the queue, never per-sample pickles.
+
+Shared block layout: tokens uint32[n_tokens] | doc starts int64[n_docs + 1] | doc keys int64[n_docs, 2].
+The consumer unlinks the block once it has copied it out.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+
+import numpy as np
+
+from holotrain.data.sources import Chunk, read_chunk
+
+
+def _starts_offset(n_tokens: int) -> int:
+    return -(-4 * n_tokens // 8) * 8  # int64 arrays start 8-byte aligned
+
+
+def block_size(n_tokens: int, n_docs: int) -> int:
+    return max(8, _starts_offset(n_tokens) + 8 * (n_docs + 1) + 16 * n_docs)
+
+
+def block_views(buf, n_tokens: int, n_docs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tokens = np.ndarray((n_tokens,), dtype=np.uint32, buffer=buf, offset=0)
+    o = _starts_offset(n_tokens)
+    starts = np.ndarray((n_docs + 1,), dtype=np.int64, buffer=buf, offset=o)
+    keys = np.ndarray((n_docs, 2), dtype=np.int64, buffer=buf, offset=o + 8 * (n_docs + 1))
+    return tokens, starts, keys
+
+
+def worker_main(worker_id: int, files: list[str], text_field: str, tokenizer_path: str, eos_id: int,
+                tasks, results, parent_pid: int) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    paths = [Path(f) for f in files]
+    while True:
+        if os.getppid() != parent_pid:  # the data plane is gone: do not outlive it
+            return
+        try:
+            task = tasks.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if task is None:
+            return
+        chunk, epoch = task
+        results.put(("chunk", worker_id, load_chunk(chunk, epoch, paths, text_field, tokenizer, eos_id)))
+
+
+def load_chunk(chunk: Chunk, epoch: int, paths: list[Path], text_field: str, tokenizer, eos_id: int) -> dict:
+    text = read_chunk(chunk, paths, text_field, eos_id)
+    if text.token_docs:
+        docs = text.token_docs
+    else:
+        docs = [np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(text.texts, add_special_tokens=False)]
+    lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)  # each document ends with EOS
+    n_docs, n_tokens = len(docs), int(lengths.sum())
+    shm = shared_memory.SharedMemory(create=True, size=block_size(n_tokens, n_docs))
+    tokens, starts, keys = block_views(shm.buf, n_tokens, n_docs)
+    starts[0] = 0
+    np.cumsum(lengths, out=starts[1:])
+    for d, s in zip(docs, starts[:-1]):
+        tokens[s : s + len(d)] = d
+    tokens[starts[1:] - 1] = eos_id
+    keys[:] = np.asarray(text.keys, dtype=np.int64).reshape(n_docs, 2)
+    del tokens, starts, keys
+    name = shm.name
+    shm.close()
+    # The consumer owns the block from now on (it unlinks it); this process's exit must not remove it.
+    resource_tracker.unregister(shm._name, "shared_memory")
+    return {
+        "source": chunk.source, "index": chunk.index, "epoch": epoch, "shm": name, "n_tokens": n_tokens,
+        "n_docs": n_docs, "skipped": text.skipped, "skip_examples": text.skip_examples,
+    }

@@ -1,0 +1,5 @@
+"""Errors shared by every part of holotrain (kept free of heavy imports: loader processes import it)."""
+
+
+class ConfigError(ValueError):
+    """A user mistake (config key, file, record); the CLI prints it as one line and exits with code 2."""
