@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from holotrain.data.plane import PlaneSpec, plane_main
+from holotrain.data.worker import start_light
 
 
 def plane_address(run_dir: Path) -> tuple[str, bytes]:
@@ -35,7 +36,7 @@ def start_plane(spec: PlaneSpec, state: dict | None, address: str, authkey: byte
     proc = mp.get_context("spawn").Process(
         target=plane_main, args=(address, authkey, spec, state, os.getpid()), daemon=False, name="holotrain-data-plane"
     )
-    proc.start()
+    start_light(proc)
     return proc
 
 

@@ -115,8 +115,8 @@ def sample_arrays(bins: list[Bin], length: int, pad_id: int) -> tuple[np.ndarray
 def balance(costs: list[int], ranks: int) -> list[list[int]]:
     """Split sample indices into `ranks` equal-count groups with near-equal total cost.
 
-    Longest-processing-time first under a cardinality limit, then pairwise swaps between the most and
-    least loaded ranks while a swap lowers the maximum.
+    Longest-processing-time first under a cardinality limit, then swaps between the most loaded rank and
+    any other while a swap lowers the pair's maximum.
     """
     n = len(costs)
     per = n // ranks
@@ -127,21 +127,27 @@ def balance(costs: list[int], ranks: int) -> list[list[int]]:
         r = min((r for r in range(ranks) if len(groups[r]) < per), key=lambda r: (load[r], r))
         groups[r].append(i)
         load[r] += costs[i]
-    for _ in range(4 * n):
+    improved = True
+    while improved:
+        improved = False
         hi = max(range(ranks), key=lambda r: load[r])
-        lo = min(range(ranks), key=lambda r: load[r])
-        gap = load[hi] - load[lo]
-        best = None
-        for a in groups[hi]:
-            for b in groups[lo]:
-                delta = costs[a] - costs[b]
-                if 0 < delta < gap and (best is None or abs(gap - 2 * delta) < abs(gap - 2 * best[2])):
-                    best = (a, b, delta)
-        if best is None:
-            break
-        a, b, delta = best
-        groups[hi][groups[hi].index(a)] = b
-        groups[lo][groups[lo].index(b)] = a
-        load[hi] -= delta
-        load[lo] += delta
+        for lo in sorted(range(ranks), key=lambda r: load[r]):
+            if lo == hi:
+                continue
+            # The swap that brings this pair closest to even, if it lowers the pair's maximum.
+            best, best_peak = None, load[hi]
+            for a in groups[hi]:
+                for b in groups[lo]:
+                    delta = costs[a] - costs[b]
+                    peak = max(load[hi] - delta, load[lo] + delta)
+                    if delta > 0 and peak < best_peak:
+                        best, best_peak = (a, b, delta), peak
+            if best is not None:
+                a, b, delta = best
+                groups[hi][groups[hi].index(a)] = b
+                groups[lo][groups[lo].index(b)] = a
+                load[hi] -= delta
+                load[lo] += delta
+                improved = True
+                break
     return [sorted(g) for g in groups]

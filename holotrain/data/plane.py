@@ -29,7 +29,7 @@ import numpy as np
 from holotrain.data.mixture import Mixture
 from holotrain.data.packing import Packer, balance, sample_arrays
 from holotrain.data.sources import SourceConfig, plan_chunks, source_files
-from holotrain.data.worker import block_views, worker_main
+from holotrain.data.worker import block_views, start_light, worker_main
 from holotrain.errors import ConfigError
 
 
@@ -96,7 +96,7 @@ class LoaderPool:
             args=(self._next_id, [str(f) for f in self.files[source]], src.text_field, self.spec.tokenizer_path,
                   self.spec.eos_id, tasks, self.results, os.getpid()),
         )
-        proc.start()
+        start_light(proc)
         w = _Worker(proc, source, tasks)
         self.workers[self._next_id] = w
         self._next_id += 1

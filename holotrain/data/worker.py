@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
@@ -33,8 +34,26 @@ def block_views(buf, n_tokens: int, n_docs: int) -> tuple[np.ndarray, np.ndarray
     return tokens, starts, keys
 
 
+def start_light(proc) -> None:
+    """Start a spawned process without re-importing the parent's main module in it.
+
+    Spawned children normally import the launching script (here the trainer's CLI, and with it torch),
+    which would cost every loader process hundreds of MB; the plane and its workers need none of it.
+    """
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__.pop(k) for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__spec__ = None
+    try:
+        proc.start()
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def worker_main(worker_id: int, files: list[str], text_field: str, tokenizer_path: str, eos_id: int,
                 tasks, results, parent_pid: int) -> None:
+    # One core per worker: the plane scales by workers, so the tokenizer must not fan out threads itself.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(tokenizer_path)
