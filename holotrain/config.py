@@ -64,6 +64,8 @@ class DataConfig:
     balance: bool = True  # balance attention cost across data-parallel ranks
     shuffle: bool = True  # chunk order shuffled per epoch
     log_samples: bool = False  # write RUN_DIR/samples.jsonl: the documents of every sample (rank 0's)
+    backend: str = "local"  # loader processes: "local", or "ray" actors (pip install holotrain[ray])
+    ray_address: str = ""  # Ray cluster to join; empty: start one on this node
 
 
 @dataclass
@@ -287,6 +289,11 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
         need(ok, f"data.sources[{src.name}].weight_schedule must be [[step, weight], ...] with increasing steps")
     need(len(set(names)) == len(names), f"data.sources: names must be unique, got {names}")
     need(not d.sources or any(s.weight > 0 or s.weight_schedule for s in d.sources), "data.sources: all weights are 0")
+    need(d.backend in ("local", "ray"), f"data.backend must be 'local' or 'ray', got {d.backend!r}")
+    if d.backend == "ray":
+        import importlib.util
+
+        need(importlib.util.find_spec("ray") is not None, "data.backend = 'ray' needs Ray: pip install 'holotrain[ray]'")
     need(d.workers >= 1, f"data.workers must be >= 1, got {d.workers}")
     need(d.chunk_mb > 0, f"data.chunk_mb must be positive, got {d.chunk_mb}")
     need(d.prefetch_steps >= 1, f"data.prefetch_steps must be >= 1, got {d.prefetch_steps}")

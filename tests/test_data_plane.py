@@ -146,7 +146,11 @@ def test_balancing_long_tailed_lengths_over_8_ranks():
     assert np.mean(ratios_without) > 1.15
 
 
-def _constructor(tmp_path, weights, global_batch, seq_len=32, max_workers=2):
+BACKENDS = ["local", pytest.param("ray", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("ray") is None, reason="ray not installed"))]
+
+
+def _constructor(tmp_path, weights, global_batch, seq_len=32, max_workers=2, backend="local"):
     srcs = []
     for i, (name, w) in enumerate(weights.items()):
         write_jsonl(tmp_path / f"{name}.jsonl", 3000, name, seed=i)
@@ -154,16 +158,23 @@ def _constructor(tmp_path, weights, global_batch, seq_len=32, max_workers=2):
     tok, tok_path = prepare_tokenizer(srcs, "", 300, 0.2, tmp_path / "cache")
     spec = PlaneSpec(sources=srcs, tokenizer_path=str(tok_path), eos_id=0, pad_id=1, seq_len=seq_len,
                      global_batch=global_batch, world_size=1, local_ranks=[0], micro_batch=global_batch, accum=1,
-                     seed=0, max_workers=max_workers, chunk_bytes=20_000)
+                     seed=0, max_workers=max_workers, chunk_bytes=20_000, backend=backend)
     files = [source_files(s) for s in srcs]
-    pool = LoaderPool(spec, files)
+    if backend == "ray":
+        from holotrain.data.ray_backend import RayLoaderPool
+
+        pool = RayLoaderPool(spec, files)
+    else:
+        pool = LoaderPool(spec, files)
     streams = [SourceStream(i, plan_chunks(i, f, spec.chunk_bytes), pool, 0, True, s.name)
                for i, (s, f) in enumerate(zip(srcs, files))]
     return Constructor(spec, streams), pool
 
 
-def test_realized_mixture_within_one_percent_over_10k_samples(tmp_path):
-    constructor, pool = _constructor(tmp_path, {"web": 0.6, "code": 0.3, "books": 0.1}, global_batch=250)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_realized_mixture_within_one_percent_over_10k_samples(tmp_path, backend):
+    constructor, pool = _constructor(tmp_path, {"web": 0.6, "code": 0.3, "books": 0.1}, global_batch=250,
+                                     backend=backend)
     try:
         for _ in range(40):  # 10,000 samples
             constructor.produce()
@@ -196,7 +207,7 @@ def test_constructor_state_resumes_the_same_sequence(tmp_path):
 # Through the trainer: samples.jsonl lists every document of every sample.
 
 
-def _plane_job(tmp_path, run_dir, workers: int) -> list[str]:
+def _plane_job(tmp_path, run_dir, workers: int, backend: str = "local") -> list[str]:
     data = tmp_path / "corpus"
     if not data.exists():
         data.mkdir()
@@ -209,7 +220,7 @@ def _plane_job(tmp_path, run_dir, workers: int) -> list[str]:
     )
     return ["train", "--config", str(cfg), *tiny_args(run_dir, **{
         "training.steps": 120, "checkpoint.every": 10, "data.workers": workers, "data.chunk_mb": 0.02,
-        "data.log_samples": True, "data.vocab_size": 400,
+        "data.log_samples": True, "data.vocab_size": 400, "data.backend": backend,
     })]
 
 
@@ -236,9 +247,10 @@ def _run_and_kill(args, when, kill) -> subprocess.Popen:
     return proc
 
 
-def test_resume_after_sigkill_replays_the_same_samples(plane_reference):
-    ref, run = plane_reference / "ref", plane_reference / "killed"
-    args = _plane_job(plane_reference, run, workers=3)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_after_sigkill_replays_the_same_samples(plane_reference, backend):
+    ref, run = plane_reference / "ref", plane_reference / f"killed-{backend}"
+    args = _plane_job(plane_reference, run, workers=3, backend=backend)
     target = random.randint(15, 90)
     metrics = run / "metrics.jsonl"
     proc = _run_and_kill(args, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= target,
@@ -250,13 +262,16 @@ def test_resume_after_sigkill_replays_the_same_samples(plane_reference):
     assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(ref)]
 
 
-def test_loader_worker_killed_is_replaced_without_loss_or_duplicates(plane_reference):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loader_worker_killed_is_replaced_without_loss_or_duplicates(plane_reference, backend):
     psutil = pytest.importorskip("psutil")
-    ref, run = plane_reference / "ref", plane_reference / "failover"
-    args = _plane_job(plane_reference, run, workers=2)
+    ref, run = plane_reference / "ref", plane_reference / f"failover-{backend}"
+    args = _plane_job(plane_reference, run, workers=2, backend=backend)
     killed = []
 
     def loader_workers(proc):
+        if backend == "ray":
+            return [p for p in psutil.process_iter(["cmdline"]) if "LoaderActor" in " ".join(p.info["cmdline"] or [])]
         kids = psutil.Process(proc.pid).children(recursive=True)
         planes = [k for k in kids if k.ppid() == proc.pid and "spawn" in " ".join(k.cmdline())]
         return [k for k in kids if planes and k.ppid() == planes[0].pid and "spawn" in " ".join(k.cmdline())

@@ -54,6 +54,8 @@ class PlaneSpec:
     balance: bool = True
     shuffle: bool = True
     log_samples: bool = False
+    backend: str = "local"  # local processes, or "ray" actors
+    ray_address: str = ""  # empty: start a Ray instance on this node
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,6 +111,9 @@ class LoaderPool:
             except Exception:
                 continue
             with self.cond:
+                if self._closed:
+                    _unlink(res["shm"])
+                    continue
                 key = (res["source"], res["epoch"], res["index"])
                 w = self.workers.get(wid)
                 if w is not None:
@@ -183,11 +188,13 @@ class LoaderPool:
             w.inflight = {}
 
     def close(self) -> None:
-        self._closed = True
-        for w in self.workers.values():
-            if w.proc.is_alive():
-                w.proc.terminate()
-        for res in self.ready.values():
+        with self.cond:
+            self._closed = True
+            for w in self.workers.values():
+                if w.proc.is_alive():
+                    w.proc.terminate()
+            leftovers, self.ready = list(self.ready.values()), {}
+        for res in leftovers:
             _unlink(res["shm"])
 
 
@@ -201,7 +208,9 @@ def _unlink(name: str) -> None:
 
 
 def _take_block(res: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Copy a worker's chunk out of shared memory and free the block."""
+    """Copy a worker's chunk out of shared memory (or Ray's object store) and free the block."""
+    if "arrays" in res:
+        return tuple(np.array(a) for a in res["arrays"])
     shm = shared_memory.SharedMemory(name=res["shm"])
     tokens, starts, keys = (a.copy() for a in block_views(shm.buf, res["n_tokens"], res["n_docs"]))
     shm.close()
@@ -358,7 +367,12 @@ def plane_main(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None
 
 def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, parent_pid: int) -> None:
     files = [source_files(s) for s in spec.sources]
-    pool = LoaderPool(spec, files)
+    if spec.backend == "ray":
+        from holotrain.data.ray_backend import RayLoaderPool
+
+        pool = RayLoaderPool(spec, files)
+    else:
+        pool = LoaderPool(spec, files)
     streams = [
         SourceStream(i, plan_chunks(i, f, spec.chunk_bytes), pool, spec.seed, spec.shuffle, s.name)
         for i, (s, f) in enumerate(zip(spec.sources, files))

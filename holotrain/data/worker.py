@@ -71,23 +71,30 @@ def worker_main(worker_id: int, files: list[str], text_field: str, tokenizer_pat
         results.put(("chunk", worker_id, load_chunk(chunk, epoch, paths, text_field, tokenizer, eos_id)))
 
 
-def load_chunk(chunk: Chunk, epoch: int, paths: list[Path], text_field: str, tokenizer, eos_id: int) -> dict:
+def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, eos_id: int):
+    """Read and tokenize one chunk: (tokens uint32, doc starts int64[n+1], doc keys int64[n, 2], ChunkText).
+    Every document ends with eos_id."""
     text = read_chunk(chunk, paths, text_field, eos_id)
     if text.token_docs:
         docs = text.token_docs
     else:
         docs = [np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(text.texts, add_special_tokens=False)]
-    lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)  # each document ends with EOS
-    n_docs, n_tokens = len(docs), int(lengths.sum())
-    shm = shared_memory.SharedMemory(create=True, size=block_size(n_tokens, n_docs))
-    tokens, starts, keys = block_views(shm.buf, n_tokens, n_docs)
-    starts[0] = 0
-    np.cumsum(lengths, out=starts[1:])
+    starts = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum([len(d) + 1 for d in docs], out=starts[1:])
+    tokens = np.empty(int(starts[-1]), dtype=np.uint32)
     for d, s in zip(docs, starts[:-1]):
         tokens[s : s + len(d)] = d
     tokens[starts[1:] - 1] = eos_id
-    keys[:] = np.asarray(text.keys, dtype=np.int64).reshape(n_docs, 2)
-    del tokens, starts, keys
+    keys = np.asarray(text.keys, dtype=np.int64).reshape(len(docs), 2)
+    return tokens, starts, keys, text
+
+
+def load_chunk(chunk: Chunk, epoch: int, paths: list[Path], text_field: str, tokenizer, eos_id: int) -> dict:
+    tokens, starts, keys, text = tokenize_chunk(chunk, paths, text_field, tokenizer, eos_id)
+    n_tokens, n_docs = len(tokens), len(keys)
+    shm = shared_memory.SharedMemory(create=True, size=block_size(n_tokens, n_docs))
+    for dst, src in zip(block_views(shm.buf, n_tokens, n_docs), (tokens, starts, keys)):
+        dst[:] = src
     name = shm.name
     shm.close()
     # The consumer owns the block from now on (it unlinks it); this process's exit must not remove it.

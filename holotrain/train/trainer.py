@@ -167,6 +167,7 @@ def _data_plane(cfg: Config, env: DistEnv, tokenizer, micro: int, accum: int, st
         world_size=env.world_size, local_ranks=list(range(node_first, node_first + local)), micro_batch=micro,
         accum=accum, seed=cfg.job.seed, max_workers=d.workers, chunk_bytes=int(d.chunk_mb * 2**20),
         prefetch_steps=d.prefetch_steps, balance=d.balance, shuffle=d.shuffle, log_samples=d.log_samples,
+        backend=d.backend, ray_address=d.ray_address,
     )
     address, key = plane_address(cfg.run_dir)
     plane = start_plane(spec, state, address, key) if env.local_rank == 0 else None
