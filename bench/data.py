@@ -121,11 +121,12 @@ class TokenizedStream(torch.utils.data.IterableDataset):
                     buf = buf[self.seq_len + 1 :]
 
 
-def dataloader_memory(sources, tok_path, ranks: int, steps: int) -> dict:
+def dataloader_memory(sources, tok_path, ranks: int, steps: int, loader_cls=None) -> dict:
+    loader_cls = loader_cls or torch.utils.data.DataLoader
     iters, loaders = [], []
     for _ in range(ranks):
-        dl = torch.utils.data.DataLoader(TokenizedStream(sources, tok_path, 2048), batch_size=8, num_workers=8,
-                                         persistent_workers=True, prefetch_factor=2)
+        dl = loader_cls(TokenizedStream(sources, tok_path, 2048), batch_size=8, num_workers=8,
+                        persistent_workers=True, prefetch_factor=2)
         loaders.append(dl)
         iters.append(iter(dl))
     for _ in range(steps):
@@ -166,6 +167,7 @@ def main():
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--mem-steps", type=int, default=20)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--stateful", action="store_true", help="also measure torchdata's StatefulDataLoader")
     p.add_argument("--out", default="")
     a = p.parse_args()
     sources, tok, tok_path = setup(a.vocab)
@@ -177,7 +179,13 @@ def main():
         print(json.dumps(result["throughput"][-1]), flush=True)
     for r in map(int, a.ranks.split(",")):
         ours, theirs = plane_memory(sources, tok_path, r, a.mem_steps), dataloader_memory(sources, tok_path, r, a.mem_steps)
-        result["memory"].append({"holotrain": ours, "dataloader": theirs, "ratio": theirs["pss_mb"] / ours["pss_mb"]})
+        row = {"holotrain": ours, "dataloader": theirs, "ratio": theirs["pss_mb"] / ours["pss_mb"]}
+        if a.stateful:  # torchdata's StatefulDataLoader: resumable, same worker-per-rank model
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            sdl = dataloader_memory(sources, tok_path, r, a.mem_steps, StatefulDataLoader)
+            row.update({"stateful_dataloader": sdl, "stateful_ratio": sdl["pss_mb"] / ours["pss_mb"]})
+        result["memory"].append(row)
         print(json.dumps(result["memory"][-1]), flush=True)
     result["balance"] = [balance_ratios(per_rank=k) for k in (8, 4, 2)]
     print(json.dumps(result["balance"]), flush=True)

@@ -303,3 +303,21 @@ def test_metrics_report_the_plane(plane_reference):
     assert abs(share - 0.7) < 0.02
     assert row["data.skipped"] == 0 and row["time.data_wait"] >= 0
     assert sum(row["data.workers"].values()) >= 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_record_inside_the_plane_is_one_clear_error(tmp_path, backend):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x"] * 10}), tmp_path / "rows.parquet")
+    write_jsonl(tmp_path / "ok.jsonl", 200, "ok")
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(f'[[data.sources]]\nname = "ok"\npath = "{tmp_path / "ok.jsonl"}"\n'
+                   f'[[data.sources]]\nname = "rows"\npath = "{tmp_path / "rows.parquet"}"\n')
+    # A ready tokenizer, so that the bad source is first read by the plane's loaders, not by tokenizer training.
+    _, tok = prepare_tokenizer([SourceConfig(name="ok", path=str(tmp_path / "ok.jsonl"))], "", 300, 0.1, tmp_path / "c")
+    proc = run_cli("train", "--config", str(cfg), *tiny_args(tmp_path / "run", **{"data.tokenizer": str(tok),
+                   "data.backend": backend}), check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "no column 'text'" in proc.stderr and "Traceback" not in proc.stderr

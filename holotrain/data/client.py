@@ -19,6 +19,7 @@ import torch
 
 from holotrain.data.plane import PlaneSpec, plane_main
 from holotrain.data.worker import start_light
+from holotrain.errors import ConfigError
 
 
 def plane_address(run_dir: Path) -> tuple[str, bytes]:
@@ -71,6 +72,8 @@ class DataClient:
     def _request(self, conn, msg):
         conn.send(msg)
         status, payload = conn.recv()
+        if status == "config_error":
+            raise ConfigError(payload)
         if status != "ok":
             raise RuntimeError(f"data plane failed: {payload}")
         return payload

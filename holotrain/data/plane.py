@@ -82,6 +82,8 @@ class LoaderPool:
         self.ready: dict[tuple, dict] = {}  # (source, epoch, index) -> result
         self.cond = threading.Condition()
         self.restarts = 0
+        self.failure: tuple[str, str] | None = None  # a loader's error, raised to the constructor
+        self._attempts: dict[tuple, int] = {}  # (source, epoch, index) -> loaders lost on it
         self._next_id = 0
         self._last_scale = [0.0] * len(spec.sources)
         self._delivered = [0] * len(spec.sources)
@@ -111,6 +113,10 @@ class LoaderPool:
             except Exception:
                 continue
             with self.cond:
+                if kind != "chunk":
+                    self.failure = (kind, res["message"])
+                    self.cond.notify_all()
+                    continue
                 if self._closed:
                     _unlink(res["shm"])
                     continue
@@ -160,6 +166,9 @@ class LoaderPool:
         t0 = time.monotonic()
         with self.cond:
             while key not in self.ready:
+                if self.failure is not None:
+                    kind, message = self.failure
+                    raise ConfigError(message) if kind == "config_error" else RuntimeError(f"loader failed: {message}")
                 self._replace_dead()
                 if time.monotonic() - t0 > 0.05:
                     self._scale_up(source)
@@ -181,6 +190,11 @@ class LoaderPool:
                 continue
             w.retired = True
             self.restarts += 1
+            for key in w.inflight:
+                self._attempts[(w.source, *key)] = self._attempts.get((w.source, *key), 0) + 1
+                if self._attempts[(w.source, *key)] > 3:  # it kills every loader that reads it
+                    self.failure = ("error", f"loaders died 4 times reading chunk {key[1]} of source "
+                                             f"{self.spec.sources[w.source].name!r} (epoch {key[0]})")
             new = self._spawn(w.source)
             for (epoch, _), chunk in w.inflight.items():  # what it never delivered is read again
                 new.inflight[(epoch, chunk.index)] = chunk
@@ -357,6 +371,12 @@ def _put_arrays(arrays: tuple[np.ndarray, ...], accum: int, micro: int) -> dict:
     return {"shm": name, "shape": stacked.shape}
 
 
+class _PlaneError(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
 def plane_main(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, parent_pid: int) -> None:
     try:
         _serve(address, authkey, spec, state, parent_pid)
@@ -411,8 +431,8 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
                     for old in [s for s in produced if s < min(consumed.values()) - 2 * spec.prefetch_steps]:
                         del produced[old]
                     cond.notify_all()
-        except BaseException as e:  # surfaced to every client as one message
-            error.append(str(e) if isinstance(e, ConfigError) else traceback.format_exc())
+        except BaseException as e:  # surfaced to every client: a user error as its one line
+            error.append(("config_error", str(e)) if isinstance(e, ConfigError) else ("error", traceback.format_exc()))
             with cond:
                 cond.notify_all()
 
@@ -421,7 +441,7 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
             while step not in produced and not error:
                 cond.wait(0.1)
             if error:
-                raise RuntimeError(error[0])
+                raise _PlaneError(*error[0])
             return produced[step]
 
     def handle(conn) -> None:
@@ -442,8 +462,8 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
                         conn.send(("ok", None))
                         stop.set()
                         return
-                except RuntimeError as e:
-                    conn.send(("error", str(e)))
+                except _PlaneError as e:
+                    conn.send((e.kind, e.message))
         except (EOFError, OSError):
             return
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import ray
 
 from holotrain.data.worker import tokenize_chunk
+from holotrain.errors import ConfigError
 
 
 @ray.remote(num_cpus=1)
@@ -111,6 +112,10 @@ class RayLoaderPool:
             except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
                 self._replace(actor)
                 return
+            except ray.exceptions.RayTaskError as e:  # the chunk itself is bad: same error on any actor
+                if isinstance(e.cause, ConfigError):
+                    raise ConfigError(str(e.cause)) from None
+                raise
             actor.inflight.pop((res["epoch"], res["index"]), None)
             self.ready[(res["source"], res["epoch"], res["index"])] = res
             self._delivered[source] += 1

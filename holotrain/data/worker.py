@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import queue
 import sys
+import traceback
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import numpy as np
 
 from holotrain.data.sources import Chunk, read_chunk
+from holotrain.errors import ConfigError
 
 
 def _starts_offset(n_tokens: int) -> int:
@@ -68,7 +70,12 @@ def worker_main(worker_id: int, files: list[str], text_field: str, tokenizer_pat
         if task is None:
             return
         chunk, epoch = task
-        results.put(("chunk", worker_id, load_chunk(chunk, epoch, paths, text_field, tokenizer, eos_id)))
+        try:
+            results.put(("chunk", worker_id, load_chunk(chunk, epoch, paths, text_field, tokenizer, eos_id)))
+        except Exception as e:  # a bad file fails the same way every time: report it, do not die and retry
+            kind = "config_error" if isinstance(e, ConfigError) else "error"
+            results.put((kind, worker_id, {"source": chunk.source, "epoch": epoch, "index": chunk.index,
+                                           "message": str(e) if kind == "config_error" else traceback.format_exc()}))
 
 
 def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, eos_id: int):
