@@ -70,12 +70,12 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 200
+    steps: int = 150
     batch_size: int = 16  # global: sequences per optimizer step, over all ranks and micro-batches
     micro_batch_size: int = 0  # per rank per forward; 0 = batch_size / world size (no accumulation)
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
+    warmup_steps: int = 15
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -89,7 +89,7 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100  # steps between checkpoints; 0 = only the final one
+    every: int = 50  # steps between checkpoints; 0 = only the final one
     keep: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the newest checkpoint in the run directory
     save_final: bool = True

@@ -71,6 +71,9 @@ class DataClient:
 
     def _request(self, conn, msg):
         conn.send(msg)
+        while not conn.poll(0.1):  # the prefetch thread wakes up now and then to notice close()
+            if conn is self._batches and self._stop.is_set():
+                raise EOFError("data client closed")
         status, payload = conn.recv()
         if status == "config_error":
             raise ConfigError(payload)
@@ -133,7 +136,10 @@ class DataClient:
         return self._request(self._control, ("state", steps_done))
 
     def close(self, stop_plane: bool) -> None:
+        # The prefetch thread must be out of torch before the interpreter exits: a daemon thread inside an
+        # ATen op at shutdown takes the whole process down with std::terminate.
         self._stop.set()
+        self._thread.join(timeout=30)
         if stop_plane:
             try:
                 self._request(self._control, ("close",))
