@@ -172,3 +172,26 @@ def test_folded_clipping_equals_explicit_clipping():
     assert torch.allclose(n1, n2)
     for (k, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), k
+
+
+def test_phase_times_in_metrics(reference_run):
+    for row in read_metrics(reference_run):
+        phases = [row[f"time.{p}"] for p in ("forward", "backward", "optimizer")]
+        assert all(p > 0 for p in phases)
+        assert row["time.data_wait"] >= 0
+        assert sum(phases) + row["time.data_wait"] <= row["step_s"] * 1.05
+
+
+def test_phase_clock_cpu():
+    import time as _time
+
+    from holotrain.profile import PhaseClock
+
+    clock = PhaseClock(torch.device("cpu"))
+    for _ in range(2):
+        with clock.phase("work"):
+            _time.sleep(0.01)
+    clock.add("wait", 0.5)
+    out = clock.collect(steps=2)
+    assert 0.009 < out["time.work"] < 0.05 and out["time.wait"] == 0.25
+    assert clock.collect(steps=1) == {}

@@ -1,0 +1,3 @@
+from holotrain.profile.phases import PhaseClock
+
+__all__ = ["PhaseClock"]

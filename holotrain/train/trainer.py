@@ -18,6 +18,7 @@ from holotrain.memory import apply_activation_checkpointing
 from holotrain.model import Llama, LlamaArgs, flops_per_token, num_params
 from holotrain.parallel import DistEnv, apply_fsdp, init_distributed
 from holotrain.parallel.launch import destroy_distributed
+from holotrain.profile import PhaseClock
 from holotrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from holotrain.train.metrics import MetricsLogger, truncate_metrics
 
@@ -98,8 +99,9 @@ class TrainStep:
     Returns the step's mean loss and the gradient norm as device tensors, without synchronizing.
     """
 
-    def __init__(self, model, optimizer, cfg: Config, env: DistEnv, dtype: torch.dtype):
+    def __init__(self, model, optimizer, cfg: Config, env: DistEnv, dtype: torch.dtype, clock: PhaseClock | None = None):
         self.model, self.optimizer, self.env = model, optimizer, env
+        self.clock = clock  # None: no phase timing (bench/peers.py times whole steps itself)
         self.clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
         # Autocast on one device; FSDP2 applies bf16 itself through its mixed-precision policy.
         self.autocast = dtype == torch.bfloat16 and env.world_size == 1
@@ -118,10 +120,19 @@ class TrainStep:
                 batch = fetch(m)  # (inputs, targets[, doc_ids])
                 if self.env.world_size > 1:
                     self.model.set_requires_gradient_sync(m == accum - 1)
-                with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast):
+                with self._phase("forward"), torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast):
                     loss = self.model(*batch) / accum
-                loss.backward()
+                with self._phase("backward"):
+                    loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
+        with self._phase("optimizer"):
+            grad_norm = self._clip_and_step()
+        return total, grad_norm
+
+    def _phase(self, name: str):
+        return self.clock.phase(name) if self.clock is not None else contextlib.nullcontext()
+
+    def _clip_and_step(self) -> torch.Tensor:
         if self.fold_clip:
             # Clip inside the fused AdamW kernel: it divides each gradient by grad_scale as it reads it,
             # which saves a read-modify-write pass over all gradients; a non-finite norm skips the step.
@@ -133,7 +144,7 @@ class TrainStep:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, grad_norm
+        return grad_norm
 
 
 def _global_mean(value: torch.Tensor, env: DistEnv) -> float:
@@ -236,7 +247,8 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
             f"(micro {micro}, accumulation {accum}), steps {start_step} -> {cfg.training.steps}, run dir {run_dir}"
         )
 
-    train_step = TrainStep(model, optimizer, cfg, env, dtype)
+    clock = PhaseClock(env.device)
+    train_step = TrainStep(model, optimizer, cfg, env, dtype, clock)
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(model_args(cfg), cfg.data.seq_len) * tokens_per_step / env.world_size
     peak = peak_bf16_flops(env.device)
@@ -246,7 +258,6 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
     loss_sum = torch.zeros((), device=env.device)
     interval_start = time.perf_counter()
     interval_steps = 0
-    data_wait = 0.0
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
 
@@ -258,7 +269,7 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
     for step in range(start_step, cfg.training.steps):
         lr = lr_at(step, cfg)
         micro_batches, waited = data.next()
-        data_wait += waited
+        clock.add("data_wait", waited)
         loss, grad_norm = train_step(micro_batches.__getitem__, accum, lr)
         loss_sum += loss
         if samples_log is not None:
@@ -284,7 +295,7 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
                 "tflops": flops_s / 1e12,
                 "mfu": flops_s / peak if peak else None,
                 "step_s": step_s,
-                "time.data_wait": data_wait / interval_steps,
+                **clock.collect(interval_steps),  # time.data_wait, time.forward, time.backward, time.optimizer
                 "mem.peak_gb": torch.cuda.max_memory_allocated(env.device) / 1e9 if env.device.type == "cuda" else None,
                 "tokens": done * tokens_per_step,
                 "data.tokens_by_source": data.stats.get("tokens_by_source"),
@@ -299,7 +310,7 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
                 logger.log(row)
                 rows.append(row)
             loss_sum.zero_()
-            interval_steps, data_wait = 0, 0.0
+            interval_steps = 0
             interval_start = time.perf_counter()
 
         every = cfg.checkpoint.every
