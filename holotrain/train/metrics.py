@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop rows logged after `last_step` (a resumed run re-runs those steps), atomically."""
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop the rows of a per-step JSONL file after `last_step` (a resumed run re-runs those steps), atomically."""
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
@@ -37,7 +37,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
         self.path = run_dir / "metrics.jsonl"
-        truncate_metrics(self.path, start_step)
+        truncate_jsonl(self.path, start_step)
         self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:

@@ -20,7 +20,7 @@ from holotrain.parallel import DistEnv, apply_fsdp, init_distributed
 from holotrain.parallel.launch import destroy_distributed
 from holotrain.profile import PhaseClock
 from holotrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from holotrain.train.metrics import MetricsLogger, truncate_metrics
+from holotrain.train.metrics import MetricsLogger, truncate_jsonl
 
 DATA_STATE = "data_state.json"
 
@@ -263,7 +263,7 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
 
     samples_log = None
     if env.is_main and cfg.data.log_samples:
-        truncate_metrics(run_dir / "samples.jsonl", start_step)
+        truncate_jsonl(run_dir / "samples.jsonl", start_step)
         samples_log = open(run_dir / "samples.jsonl", "a")
 
     for step in range(start_step, cfg.training.steps):
