@@ -328,8 +328,8 @@ class Constructor:
         for rank in spec.local_ranks:
             rank_bins = [bins[i] for i in groups[rank]]
             inputs, targets, doc_ids = sample_arrays(rank_bins, spec.seq_len + 1, spec.pad_id)
-            out["ranks"][rank] = {"arrays": (inputs, targets, doc_ids),
-                                  "samples": [[list(p.key) for p in b.pieces] for b in rank_bins]}
+            samples = [[list(p.key) for p in b.pieces] for b in rank_bins] if spec.log_samples else None
+            out["ranks"][rank] = {"arrays": (inputs, targets, doc_ids), "samples": samples}
         self.step += 1
         return out
 
@@ -418,8 +418,7 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
                 step_index = constructor.step
                 out = constructor.produce()
                 entry = {
-                    "ranks": {r: {**_put_arrays(v["arrays"], spec.accum, spec.micro_batch),
-                                  "samples": v["samples"] if spec.log_samples else None}
+                    "ranks": {r: {**_put_arrays(v["arrays"], spec.accum, spec.micro_batch), "samples": v["samples"]}
                               for r, v in out["ranks"].items()},
                     "state": constructor.state_dict(),
                     "stats": {**constructor.stats(), "cost_max_over_mean": out["cost_max_over_mean"],
