@@ -83,7 +83,9 @@ class TrainingConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     compile: bool = False
-    attention: str = "auto"  # preferred attention kernel on GPU: auto | cudnn | flash
+    # Preferred kernel for unpacked causal attention on GPU (auto | cudnn | flash). Packed batches from the
+    # data plane carry document ids and always use flex attention with a document mask.
+    attention: str = "auto"
     log_every: int = 10
 
 

@@ -86,12 +86,13 @@ class DataClient:
             while not self._stop.is_set():
                 reply = self._request(self._batches, ("batch", step, self.rank))
                 shm = shared_memory.SharedMemory(name=reply["shm"])
-                host = torch.from_numpy(np.ndarray(reply["shape"], dtype=np.int32, buffer=shm.buf).copy())
+                # One copy out of shared memory, straight into pinned memory when a GPU will take it.
+                host = torch.empty(tuple(reply["shape"]), dtype=torch.int32, pin_memory=self._stream is not None)
+                host.numpy()[:] = np.ndarray(reply["shape"], dtype=np.int32, buffer=shm.buf)
                 shm.close()
                 shm.unlink()
                 event = None
                 if self._stream is not None:
-                    host = host.pin_memory()
                     with torch.cuda.stream(self._stream):
                         dev = host.to(self.device, non_blocking=True).long()
                         event = torch.cuda.Event()
