@@ -10,6 +10,8 @@ from holotrain.config import ConfigError, load_config
 USAGE = """usage:
   holotrain train [--config FILE.toml] [--section.key=value ...]
   holotrain export RUN_DIR OUT_DIR [--checkpoint DIR]
+  holotrain report RUN_DIR
+  holotrain hw probe [--out FILE.json] [--seconds N]
 """
 
 
@@ -37,7 +39,31 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "export": _export}
+def _report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="holotrain report")
+    parser.add_argument("run_dir")
+    a = parser.parse_args(argv)
+    from holotrain.profile.report import write_report
+
+    print(f"wrote {write_report(a.run_dir)}")
+    return 0
+
+
+def _hw(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="holotrain hw")
+    sub = parser.add_subparsers(dest="what", required=True)
+    probe = sub.add_parser("probe", help="characterize this machine's GPU (and host) in under a minute")
+    probe.add_argument("--out", default="hw_probe.json", help="JSON file to write (default: ./hw_probe.json)")
+    probe.add_argument("--seconds", type=float, default=45.0, help="time budget of the whole probe")
+    a = parser.parse_args(argv)
+    from holotrain.hw.probe import run_probe
+
+    result = run_probe(a.out, a.seconds)
+    print(f"wrote {a.out}: {result['summary']}")
+    return 0
+
+
+COMMANDS = {"train": _train, "export": _export, "report": _report, "hw": _hw}
 
 
 def main(argv: list[str] | None = None) -> int:

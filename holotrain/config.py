@@ -113,6 +113,20 @@ class MemoryConfig:
 class ProfileConfig:
     tensorboard: bool = True
     progress: bool = True  # rich progress bar when the terminal is interactive
+    phases: bool = True  # time.forward/backward/optimizer per logged step (CUDA events, read at log time)
+    trace_steps: list = field(default_factory=list)  # steps (1-based) captured by torch.profiler, e.g. [10, 11]
+    trace_max_mb: float = 64.0  # a trace file larger than this keeps only its longest events
+    report: bool = True  # write RUN_DIR/report.html when training ends
+
+
+@dataclass
+class HwConfig:
+    telemetry: bool = True  # NVML sampler: clocks, power, energy, throttle reasons -> RUN_DIR/telemetry.jsonl
+    telemetry_hz: float = 100.0
+    # Changing clocks or power limits affects everyone on the card: off unless the user asks explicitly.
+    allow_clock_control: bool = False
+    lock_sm_clock_mhz: int = 0  # 0 = leave the clocks alone
+    power_limit_w: float = 0.0  # 0 = leave the power limit alone
 
 
 @dataclass
@@ -125,6 +139,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    hw: HwConfig = field(default_factory=HwConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -143,8 +158,23 @@ class Config:
 # Loading
 
 
+def _int_list(key: str, value: Any) -> list[int]:
+    """A list of integers from TOML ([10, 11]) or the command line ("10,11" or "[10, 11]")."""
+    if isinstance(value, str):
+        text = value.strip().strip("[]")
+        try:
+            value = [int(x) for x in text.replace(",", " ").split()]
+        except ValueError:
+            raise ConfigError(f"{key}: expected a list of integers, got {value!r}") from None
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
+    return value
+
+
 def _coerce(key: str, value: Any, typ: type) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise ConfigError naming the key."""
+    if typ is list:
+        return _int_list(key, value)
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         try:
@@ -322,6 +352,19 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
     need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
     need(cfg.parallel.dp == "fsdp", f"parallel.dp must be 'fsdp', got {cfg.parallel.dp!r}")
+    p, hw = cfg.profile, cfg.hw
+    need(all(s > 0 for s in p.trace_steps), f"profile.trace_steps are 1-based step numbers, got {p.trace_steps}")
+    need(len(p.trace_steps) <= 16, f"profile.trace_steps: at most 16 steps are traced, got {len(p.trace_steps)}")
+    need(p.trace_max_mb > 0, f"profile.trace_max_mb must be positive, got {p.trace_max_mb}")
+    need(0 < hw.telemetry_hz <= 1000, f"hw.telemetry_hz must be in (0, 1000], got {hw.telemetry_hz}")
+    need(hw.lock_sm_clock_mhz >= 0, f"hw.lock_sm_clock_mhz must be >= 0, got {hw.lock_sm_clock_mhz}")
+    need(hw.power_limit_w >= 0, f"hw.power_limit_w must be >= 0, got {hw.power_limit_w}")
+    wants_control = hw.lock_sm_clock_mhz > 0 or hw.power_limit_w > 0
+    need(
+        not wants_control or hw.allow_clock_control,
+        "hw.lock_sm_clock_mhz / hw.power_limit_w change the card's settings for every user of it: "
+        "set hw.allow_clock_control = true to allow that",
+    )
 
 
 def batch_layout(cfg: Config, world_size: int) -> tuple[int, int]:
