@@ -21,12 +21,13 @@ class PhaseClock:
         self._seconds: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str, stream: torch.cuda.Stream | None = None):
+        """Times the enclosed work; `stream` times work queued on a side stream (offload copies, communication)."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._pending.append((name, start, end))
         else:
             t0 = time.perf_counter()
@@ -39,8 +40,8 @@ class PhaseClock:
 
     def collect(self, steps: int) -> dict[str, float]:
         """Mean seconds per step of each phase since the last call; call after the device is synchronized."""
-        if self._pending:
-            self._pending[-1][2].synchronize()  # the last phase may still be running: wait for it, at log time only
+        for _, _, end in self._pending:
+            end.synchronize()  # a phase may still be running (side streams too): wait for it, at log time only
         for name, start, end in self._pending:
             self._seconds[name] += start.elapsed_time(end) / 1000.0
         out = {f"time.{name}": total / steps for name, total in self._seconds.items()}

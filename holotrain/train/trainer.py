@@ -19,6 +19,7 @@ from holotrain.model import Llama, LlamaArgs, flops_per_token, num_params
 from holotrain.parallel import DistEnv, apply_fsdp, init_distributed
 from holotrain.parallel.launch import destroy_distributed
 from holotrain.profile import PhaseClock
+from holotrain.profile.trace import StepTracer
 from holotrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from holotrain.train.metrics import MetricsLogger, truncate_jsonl
 
@@ -247,30 +248,102 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
             f"(micro {micro}, accumulation {accum}), steps {start_step} -> {cfg.training.steps}, run dir {run_dir}"
         )
 
-    clock = PhaseClock(env.device)
+    clock = PhaseClock(env.device) if cfg.profile.phases else None
     train_step = TrainStep(model, optimizer, cfg, env, dtype, clock)
+    telemetry = _start_telemetry(cfg, env)
+    tracer = StepTracer(cfg.profile.trace_steps, run_dir, env.rank, cfg.profile.trace_max_mb, env.device.type == "cuda")
+    samples_log = None
+    if env.is_main and cfg.data.log_samples:
+        truncate_jsonl(run_dir / "samples.jsonl", start_step)
+        samples_log = open(run_dir / "samples.jsonl", "a")
+
+    try:
+        rows = _steps(cfg, env, data, train_step, clock, telemetry, tracer, logger, samples_log, start_step, accum)
+    finally:
+        tracer.close()
+        if telemetry is not None:
+            telemetry.stop()
+        if logger is not None:
+            logger.close()
+        if samples_log is not None:
+            samples_log.close()
+    if env.is_main and cfg.profile.report:
+        from holotrain.profile.report import write_report
+
+        print(f"holotrain: report {write_report(run_dir)}")
+    return rows
+
+
+def _start_telemetry(cfg: Config, env: DistEnv):
+    """NVML sampling of this node's GPUs, by its first rank only (one sampler per node sees every local card)."""
+    if not cfg.hw.telemetry or env.device.type != "cuda" or env.local_rank != 0:
+        return None
+    from holotrain.hw.telemetry import Telemetry
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    node = env.rank // local
+    name = "telemetry.jsonl" if node == 0 else f"telemetry.node{node}.jsonl"
+    telemetry = Telemetry(list(range(local)), cfg.run_dir / name, cfg.hw.telemetry_hz, rank=env.rank)
+    telemetry.start()
+    return telemetry
+
+
+def _host_rss_gb() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _energy_fields(telemetry, env: DistEnv, steps: int, tokens_per_step: int) -> dict:
+    """Per-step energy of every GPU in the job (summed over nodes) and this node's clock/power figures."""
+    window = telemetry.window() if telemetry is not None else {}
+    joules = window.get("energy.joules")
+    if env.world_size > 1 and env.device.type == "cuda":
+        # Node leaders contribute their node's energy, the other ranks zero; NaN marks a node without NVML.
+        value = torch.tensor(
+            (joules if joules is not None else math.nan) if env.local_rank == 0 else 0.0,
+            dtype=torch.float64, device=env.device,
+        )
+        dist.all_reduce(value)
+        joules = value.item() if math.isfinite(value.item()) else None
+    per_step = joules / steps if joules is not None else None
+    return {
+        "energy.joules": per_step,
+        "energy.j_per_token": per_step / tokens_per_step if per_step is not None else None,
+        **{k: window.get(k) for k in HW_FIELDS},
+    }
+
+
+HW_FIELDS = ("hw.sm_clock_mhz", "hw.mem_clock_mhz", "hw.power_w", "hw.temp_c", "hw.power_capped_frac", "hw.util_gpu")
+
+
+def _steps(cfg, env, data, train_step, clock, telemetry, tracer, logger, samples_log, start_step, accum) -> list[dict]:
+    run_dir = cfg.run_dir
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(model_args(cfg), cfg.data.seq_len) * tokens_per_step / env.world_size
     peak = peak_bf16_flops(env.device)
     log_every = cfg.training.log_every
     rows: list[dict] = []
+    model, optimizer = train_step.model, train_step.optimizer
 
     loss_sum = torch.zeros((), device=env.device)
     interval_start = time.perf_counter()
     interval_steps = 0
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-
-    samples_log = None
-    if env.is_main and cfg.data.log_samples:
-        truncate_jsonl(run_dir / "samples.jsonl", start_step)
-        samples_log = open(run_dir / "samples.jsonl", "a")
+    if telemetry is not None:
+        telemetry.window()  # the first interval starts now, not at sampler start
 
     for step in range(start_step, cfg.training.steps):
         lr = lr_at(step, cfg)
+        tracer.before(step + 1)
         micro_batches, waited = data.next()
-        clock.add("data_wait", waited)
+        if clock is not None:
+            clock.add("data_wait", waited)
         loss, grad_norm = train_step(micro_batches.__getitem__, accum, lr)
+        tracer.after(step + 1)
         loss_sum += loss
         if samples_log is not None:
             samples_log.write(json.dumps({"step": step + 1, "samples": data.samples}) + "\n")
@@ -284,6 +357,9 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
             loss_value = _global_mean(loss_sum, env) / interval_steps
             gn = grad_norm.item()  # synchronizes the device: the interval's time is now complete
             elapsed = time.perf_counter() - interval_start
+            cuda = env.device.type == "cuda"
+            if telemetry is not None:
+                telemetry.mark(done)
             step_s = elapsed / interval_steps
             flops_s = flops_per_step / step_s
             row = {
@@ -295,8 +371,13 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
                 "tflops": flops_s / 1e12,
                 "mfu": flops_s / peak if peak else None,
                 "step_s": step_s,
-                **clock.collect(interval_steps),  # time.data_wait, time.forward, time.backward, time.optimizer
-                "mem.peak_gb": torch.cuda.max_memory_allocated(env.device) / 1e9 if env.device.type == "cuda" else None,
+                # time.data_wait, time.forward, time.backward, time.optimizer (+ levers' own phases)
+                **(clock.collect(interval_steps) if clock is not None else {}),
+                "mem.peak_gb": torch.cuda.max_memory_allocated(env.device) / 1e9 if cuda else None,
+                "mem.reserved_gb": torch.cuda.max_memory_reserved(env.device) / 1e9 if cuda else None,
+                "mem.host_rss_gb": _host_rss_gb(),
+                **_energy_fields(telemetry, env, interval_steps, tokens_per_step),
+                "wall_time": time.time(),
                 "tokens": done * tokens_per_step,
                 "data.tokens_by_source": data.stats.get("tokens_by_source"),
                 "data.skipped": data.stats.get("skipped"),
@@ -320,9 +401,4 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
                 run_dir, done, model, optimizer, {"step": done, "world_size": env.world_size},
                 keep=cfg.checkpoint.keep, extra_files={DATA_STATE: json.dumps(data_state)} if env.is_main else None,
             )
-
-    if logger is not None:
-        logger.close()
-    if samples_log is not None:
-        samples_log.close()
     return rows

@@ -1,0 +1,47 @@
+"""Traces of chosen steps, bounded in size; the run's closing report; phase and memory fields in metrics."""
+
+import gzip
+import json
+
+from conftest import read_metrics, run_cli, tiny_args
+
+from holotrain.profile.trace import _runs, bound_trace
+
+
+def test_trace_runs_group_consecutive_steps():
+    assert _runs([11, 3, 10, 3]) == [(3, 3), (10, 11)]
+
+
+def test_bound_trace_keeps_longest_events_and_metadata():
+    events = [{"ph": "M", "name": "process_name", "pid": 1}]
+    events += [{"ph": "X", "name": f"op{i}", "dur": i, "ts": i, "pid": 1, "tid": 1} for i in range(2000)]
+    trace = {"traceEvents": events}
+    bounded = bound_trace(trace, 20_000)
+    assert len(json.dumps(bounded)) <= 20_000
+    kept = [e for e in bounded["traceEvents"] if e["ph"] == "X"]
+    assert kept and min(e["dur"] for e in kept) > max(e["dur"] for e in events[1:] if e not in kept)
+    assert bounded["traceEvents"][0]["ph"] == "M"
+    assert bounded["holotrain"]["dropped_events"] == 2000 - len(kept)
+    assert bound_trace({"traceEvents": events[:5]}, 20_000) == {"traceEvents": events[:5]}
+
+
+def test_traced_steps_report_and_metrics(tmp_path):
+    run = tmp_path / "run"
+    run_cli("train", *tiny_args(run, **{"training.steps": 6, "profile.trace_steps": "3,4",
+                                        "profile.trace_max_mb": 0.05, "checkpoint.every": 0}))
+    traces = sorted((run / "traces").iterdir())
+    assert [p.name for p in traces] == ["trace_step3-4_rank0.json.gz"]
+    raw = gzip.open(traces[0], "rt").read()
+    assert len(raw) <= 0.05 * 2**20
+    trace = json.loads(raw)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert any("aten::" in str(n) for n in names), "the trace holds the steps' operators"
+
+    rows = read_metrics(run)
+    assert len(rows) == 6
+    for row in rows:
+        assert row["time.forward"] > 0 and row["time.backward"] > 0 and row["time.optimizer"] > 0
+        assert row["mem.host_rss_gb"] > 0
+        assert row["energy.joules"] is None and row["hw.sm_clock_mhz"] is None  # no NVML on a CPU run
+        assert row["wall_time"] > 1.7e9
+    assert (run / "report.html").is_file(), "every run ends with its report"
