@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from holotrain.errors import ConfigError
+from holotrain.jsonl import read_jsonl
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 OTHER_COLOR = "#9a9a9a"
@@ -47,29 +48,12 @@ def _num(v) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a JSONL file; blank, truncated or malformed lines are skipped."""
-    out = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(obj, dict):
-                out.append(obj)
-    return out
-
-
 def _read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl - not a holotrain run directory?")
     by_step: dict[float, dict] = {}
-    for i, row in enumerate(_read_jsonl(path)):
+    for i, row in enumerate(read_jsonl(path)):
         step = _num(row.get("step"))
         step = float(i + 1) if step is None else step
         row["step"] = int(step) if step.is_integer() else step
@@ -527,7 +511,7 @@ def write_report(run_dir) -> Path:
     telemetry: list[dict] = []
     tel_path = run_dir / "telemetry.jsonl"
     if tel_path.is_file():
-        telemetry = _read_jsonl(tel_path)
+        telemetry = read_jsonl(tel_path)
     analysis, dvfs_note = None, None
     if telemetry:
         try:
