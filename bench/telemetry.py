@@ -86,7 +86,7 @@ def main():
     for i in range(8):
         step(*batches[i % len(batches)])
     torch.cuda.synchronize()
-    off, on, on_windows, counter_j = [], [], [], 0.0
+    off, on, on_windows, counter_j, sampler = [], [], [], 0.0, []
     for pair in range(args.pairs):
         for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
             if mode == "off":
@@ -108,6 +108,7 @@ def main():
                 result["phases_last_block"] = clock.collect(args.block)
                 on.append((time.perf_counter() - wall0) / args.block)
                 on_windows.append((t0, time.time()))
+                sampler.append(tel.stats())
             counter_j += w["energy.joules"] or 0.0
             result["hw_last_block"] = w
     records = load_telemetry(tmp / "holotrain.jsonl")
@@ -115,13 +116,12 @@ def main():
         analyze(window_records(records, t0, t1))["energy_j_integrated"] or 0.0 for t0, t1 in on_windows
     )
     counted = sum(analyze(window_records(records, t0, t1))["energy_j"] or 0.0 for t0, t1 in on_windows)
-    samples = [r for r in records if r.get("kind") == "sample"]
-    span = samples[-1]["t"] - samples[0]["t"] if len(samples) > 1 else 0
     off_s, on_s = statistics.median(off), statistics.median(on)
     result["overhead"] = {
         "off_step_ms": [x * 1000 for x in off], "on_step_ms": [x * 1000 for x in on],
         "median_off_ms": off_s * 1000, "median_on_ms": on_s * 1000, "overhead_frac": on_s / off_s - 1,
-        "sampler_hz_achieved": (len(samples) - 1) / span if span else None,
+        "sampler_hz_achieved": statistics.median(x["achieved_hz"] for x in sampler if x["achieved_hz"]),
+        "sampler_cost_ms": statistics.median(x["mean_sample_s"] for x in sampler if x["mean_sample_s"]) * 1000,
     }
     result["energy_check"] = {
         "counter_j_window": counter_j, "counter_j_samples": counted, "integrated_power_j": integrated,
