@@ -46,6 +46,12 @@ def test_resolved_config_round_trips(tmp_path):
         (["--training.steps=0"], "training.steps"),
         (["--training.lr=-1"], "training.lr"),
         (["--model.preset=13t"], "model.preset"),
+        (["--profile.trace_steps=3,x"], "profile.trace_steps"),
+        (["--profile.trace_steps=0"], "profile.trace_steps"),
+        (["--hw.telemetry_hz=0"], "hw.telemetry_hz"),
+        # changing a shared card's clocks needs the explicit opt-in
+        (["--hw.lock_sm_clock_mhz=1500"], "hw.allow_clock_control"),
+        (["--hw.power_limit_w=500"], "hw.allow_clock_control"),
     ],
 )
 def test_bad_values_name_the_key(args, key):
@@ -89,6 +95,7 @@ def test_override_syntax():
         (["--model.n_heads=7"], "model.n_heads"),
         (["--training.stepz=3"], "training.stepz"),
         (["--training.steps=x"], "training.steps"),
+        (["--hw.lock_sm_clock_mhz=1500"], "hw.allow_clock_control"),
     ],
 )
 def test_cli_config_error_is_one_line_exit_2(tmp_path, args, key):
