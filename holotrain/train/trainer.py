@@ -258,7 +258,8 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
         samples_log = open(run_dir / "samples.jsonl", "a")
 
     try:
-        rows = _steps(cfg, env, data, train_step, clock, telemetry, tracer, logger, samples_log, start_step, accum)
+        with _clock_control(cfg, env):
+            rows = _steps(cfg, env, data, train_step, clock, telemetry, tracer, logger, samples_log, start_step, accum)
     finally:
         tracer.close()
         if telemetry is not None:
@@ -286,6 +287,17 @@ def _start_telemetry(cfg: Config, env: DistEnv):
     telemetry = Telemetry(list(range(local)), cfg.run_dir / name, cfg.hw.telemetry_hz, rank=env.rank)
     telemetry.start()
     return telemetry
+
+
+def _clock_control(cfg: Config, env: DistEnv):
+    """Opt-in clock lock / power limit (hw.allow_clock_control) on this node's cards, restored when training ends."""
+    wanted = cfg.hw.lock_sm_clock_mhz > 0 or cfg.hw.power_limit_w > 0
+    if not wanted or env.device.type != "cuda" or env.local_rank != 0:
+        return contextlib.nullcontext()
+    from holotrain.hw.control import ClockControl
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    return ClockControl(cfg.hw, cuda_indices=list(range(local)))
 
 
 def _host_rss_gb() -> float | None:
