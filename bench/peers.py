@@ -275,6 +275,18 @@ def attention_micro(a, device):
     return out
 
 
+def model_and_batches(preset: str, seq_len: int, batch: int, device, count: int = 4):
+    """The preset's model args (32k vocabulary) and `count` random (inputs, targets) batches drawn once, seeded."""
+    cfg = resolve(load_config(None, [f"--model.preset={preset}", f"--data.seq_len={seq_len}"]), tokenizer_vocab=32000)
+    a = model_args(cfg)
+    gen = torch.Generator(device=device).manual_seed(0)
+    batches = []
+    for _ in range(count):
+        x = torch.randint(0, a.vocab_size, (batch, seq_len + 1), device=device, generator=gen)
+        batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return a, batches
+
+
 def main():
     global ARGS
     p = argparse.ArgumentParser()
@@ -291,14 +303,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("bench/peers.py needs a CUDA device")
     device = torch.device("cuda")
-    cfg = resolve(load_config(None, [f"--model.preset={ARGS.preset}", f"--data.seq_len={ARGS.seq_len}"]),
-                  tokenizer_vocab=32000)
-    a = model_args(cfg)
-    gen = torch.Generator(device=device).manual_seed(0)
-    batches = []
-    for _ in range(4):
-        x = torch.randint(0, a.vocab_size, (ARGS.batch, ARGS.seq_len + 1), device=device, generator=gen)
-        batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    a, batches = model_and_batches(ARGS.preset, ARGS.seq_len, ARGS.batch, device)
     energy = Energy()
     result = {
         "date": datetime.date.today().isoformat(),

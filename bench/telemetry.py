@@ -30,12 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peers  # noqa: E402
 
-from holotrain.config import load_config, resolve  # noqa: E402
 from holotrain.hw.dvfs import analyze, load_telemetry  # noqa: E402
 from holotrain.hw.telemetry import Telemetry  # noqa: E402
 from holotrain.model import flops_per_token  # noqa: E402
 from holotrain.profile import PhaseClock  # noqa: E402
-from holotrain.train.trainer import model_args  # noqa: E402
 
 
 def window_records(records: list[dict], t0: float, t1: float) -> list[dict]:
@@ -64,14 +62,7 @@ def main():
     args = p.parse_args()
     peers.ARGS = argparse.Namespace(preset=args.preset, seq_len=args.seq_len, batch=args.batch)
     device = torch.device("cuda")
-    cfg = resolve(load_config(None, [f"--model.preset={args.preset}", f"--data.seq_len={args.seq_len}"]),
-                  tokenizer_vocab=32000)
-    a = model_args(cfg)
-    gen = torch.Generator(device=device).manual_seed(0)
-    batches = []
-    for _ in range(4):
-        x = torch.randint(0, a.vocab_size, (args.batch, args.seq_len + 1), device=device, generator=gen)
-        batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    a, batches = peers.model_and_batches(args.preset, args.seq_len, args.batch, device)
     tokens = args.batch * args.seq_len
     tmp = Path(tempfile.mkdtemp())
     result = {
