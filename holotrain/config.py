@@ -99,14 +99,32 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelConfig:
-    # Data parallelism over all ranks of a torchrun launch; world size 1 runs unsharded.
+    # Data parallelism over all ranks of a torchrun launch (world size / tp of them); world size 1 runs unsharded.
     dp: str = "fsdp"  # fsdp
     reshard_after_forward: bool = True
+    # Tensor parallelism (holotrain/parallel/tp.py): ranks per model replica, splitting heads and FFN columns, with
+    # sequence-parallel norms; ranks tp*i .. tp*i+tp-1 form one group (one node's GPUs). 1 = off.
+    tp: int = 1
+    # How a TP layer's all-gather / reduce-scatter meets its GEMM (holotrain/parallel/overlap.py): "none" (NCCL
+    # collective, then the GEMM; the only CPU path), "async_tp" (torch's symmetric-memory async-TP ops) or
+    # "fused" (our Triton kernels: the GEMM consumes gathered tiles as they arrive and scatters as it goes).
+    tp_overlap: str = "none"
+    # Tiles of the fused kernels, "BMxBNxBK" with optional "-sSTAGES-wWARPS-gGROUP_M-rRESERVED_SMS-dDYNAMIC-xWS"
+    # (holotrain/parallel/overlap_kernels.py, Tiles); empty = the built-in default (bench/overlap.py tries a few).
+    tp_tiles: str = ""
 
 
 @dataclass
 class MemoryConfig:
-    activation_checkpointing: bool = False
+    # "none" | "full" (every block recomputed in backward) | "selective" (every other block); see
+    # holotrain/memory/activation_checkpointing.py. true / false (earlier configs) mean "full" / "none".
+    activation_checkpointing: str | bool = "none"
+    # ZeRO-Offload (holotrain/memory/offload.py): fp32 master weights and AdamW states in CPU memory, working
+    # weights on the GPU in the compute dtype, the CPU step overlapped with backward and the next forward.
+    offload: bool = False
+    offload_ratio: float = 1.0  # share of the parameters whose optimizer step runs on the CPU; the rest on the GPU
+    offload_threads: int = 0  # CPU threads of the offloaded step; 0 = this rank's share of the cores, minus one
+    check_fit: bool = True  # refuse, before training starts, a plan that cannot fit GPU or host memory
 
 
 @dataclass
@@ -352,6 +370,28 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
     need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
     need(cfg.parallel.dp == "fsdp", f"parallel.dp must be 'fsdp', got {cfg.parallel.dp!r}")
+    par = cfg.parallel
+    need(par.tp >= 1, f"parallel.tp must be >= 1, got {par.tp}")
+    need(par.tp_overlap in ("none", "async_tp", "fused"),
+         f"parallel.tp_overlap must be none, async_tp or fused, got {par.tp_overlap!r}")
+    if par.tp > 1:
+        for key in ("n_heads", "n_kv_heads", "ffn_dim"):
+            need(getattr(m, key) % par.tp == 0,
+                 f"parallel.tp={par.tp} must divide model.{key}={getattr(m, key)} (each rank takes 1/tp of them)")
+        need(m.vocab_size % par.tp == 0,
+             f"parallel.tp={par.tp} must divide model.vocab_size={m.vocab_size} (vocabulary-parallel embedding and head)")
+        need(d.seq_len % par.tp == 0,
+             f"parallel.tp={par.tp} must divide data.seq_len={d.seq_len} (sequence-parallel activations)")
+        need(not (par.tp_overlap != "none" and cfg.job.device == "cpu"),
+             f"parallel.tp_overlap={par.tp_overlap!r} runs on CUDA GPUs only; use 'none' on the CPU")
+        need(not (par.tp_overlap == "fused" and t.dtype == "fp32"),
+             "parallel.tp_overlap='fused' computes in bf16: set training.dtype to auto or bf16")
+        need(not getattr(cfg.memory, "offload", False),
+             "parallel.tp > 1 does not combine with memory.offload yet: use one of them")
+    if par.tp_tiles:
+        from holotrain.parallel.overlap import parse_tiles
+
+        parse_tiles(par.tp_tiles)  # raises ConfigError naming parallel.tp_tiles
     p, hw = cfg.profile, cfg.hw
     need(all(s > 0 for s in p.trace_steps), f"profile.trace_steps are 1-based step numbers, got {p.trace_steps}")
     need(len(p.trace_steps) <= 16, f"profile.trace_steps: at most 16 steps are traced, got {len(p.trace_steps)}")
@@ -365,6 +405,18 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
         "hw.lock_sm_clock_mhz / hw.power_limit_w change the card's settings for every user of it: "
         "set hw.allow_clock_control = true to allow that",
     )
+    mem = cfg.memory
+    # Earlier configs said activation_checkpointing = true / false: keep accepting them, store the policy name.
+    ac = mem.activation_checkpointing
+    ac = {"true": "full", "false": "none"}.get(str(ac).lower(), ac) if isinstance(ac, (bool, str)) else ac
+    need(ac in ("none", "full", "selective"),
+         f"memory.activation_checkpointing must be none, full or selective, got {mem.activation_checkpointing!r}")
+    mem.activation_checkpointing = ac
+    need(0.0 <= mem.offload_ratio <= 1.0, f"memory.offload_ratio must be in [0, 1], got {mem.offload_ratio}")
+    need(mem.offload_threads >= 0, f"memory.offload_threads must be >= 0, got {mem.offload_threads}")
+    # The offload engine assumes FSDP2's sharding (disjoint shards, one gradient per step); tensor parallelism
+    # replicates some parameters across ranks, which its norm would count twice.
+    need(not (mem.offload and cfg.parallel.tp > 1), "memory.offload does not combine with parallel.tp > 1 yet")
 
 
 def batch_layout(cfg: Config, world_size: int) -> tuple[int, int]:

@@ -56,6 +56,7 @@ class PlaneSpec:
     log_samples: bool = False
     backend: str = "local"  # local processes, or "ray" actors
     ray_address: str = ""  # empty: start a Ray instance on this node
+    tp: int = 1  # ranks per tensor-parallel group: ranks tp*i .. tp*i+tp-1 are data-parallel rank i, one batch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,15 +319,16 @@ class Constructor:
             self.mixture.account(s, len(tokens), self.step)
             self.packer.add(tokens, key)
         bins = self.packer.take(n)
-        per = n // spec.world_size
-        if spec.balance and spec.world_size > 1:
-            groups = balance([b.cost() for b in bins], spec.world_size)
+        dp = spec.world_size // spec.tp  # data-parallel ranks; a tensor-parallel group shares one batch
+        per = n // dp
+        if spec.balance and dp > 1:
+            groups = balance([b.cost() for b in bins], dp)
         else:
-            groups = [list(range(r * per, (r + 1) * per)) for r in range(spec.world_size)]
+            groups = [list(range(r * per, (r + 1) * per)) for r in range(dp)]
         costs = [sum(bins[i].cost() for i in g) for g in groups]
         out = {"ranks": {}, "cost_max_over_mean": max(costs) / (sum(costs) / len(costs)) if sum(costs) else 1.0}
         for rank in spec.local_ranks:
-            rank_bins = [bins[i] for i in groups[rank]]
+            rank_bins = [bins[i] for i in groups[rank // spec.tp]]
             inputs, targets, doc_ids = sample_arrays(rank_bins, spec.seq_len + 1, spec.pad_id)
             samples = [[list(p.key) for p in b.pieces] for b in rank_bins] if spec.log_samples else None
             out["ranks"][rank] = {"arrays": (inputs, targets, doc_ids), "samples": samples}

@@ -99,8 +99,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 whatever the activation dtype, as the reference implementation does.
-        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).type_as(x)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalize in fp32 whatever the activation dtype, as the reference implementation does.
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * weight.float()).type_as(x)
 
 
 class Attention(nn.Module):
@@ -116,10 +120,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         """mask: None (plain causal), a boolean SDPA mask [B, 1, T, T], or a flex_attention BlockMask."""
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        # Shapes come from the projections, heads from the weights: under tensor parallelism x holds this
+        # rank's share of the tokens, the projections all tokens and this rank's share of the heads.
+        B, T = q.shape[:2]
+        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         gqa = self.n_kv_heads != self.n_heads
@@ -131,6 +136,10 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input projections (parallel/tp.py replaces this with one all-gather fused into one GEMM)."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
 
 class FeedForward(nn.Module):
     def __init__(self, args: LlamaArgs):
@@ -140,7 +149,12 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.gate_up(x)
+        return self.w2(F.silu(gate) * up)
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input projections (parallel/tp.py replaces this with one all-gather fused into one GEMM)."""
+        return self.w1(x), self.w3(x)
 
 
 class Block(nn.Module):

@@ -42,6 +42,23 @@ def init_distributed(device_choice: str) -> DistEnv:
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
+def device_mesh(env: DistEnv, tp: int = 1):
+    """The job's device mesh: 1-D ("dp",) without tensor parallelism, else 2-D ("dp", "tp") with the ranks of one
+    tensor-parallel group adjacent (rank = dp_index * tp + tp_index, so a group sits on one node's GPUs).
+    None on one process."""
+    if env.world_size == 1 and tp == 1:
+        return None
+    if tp > 1 and env.world_size == 1:
+        raise ConfigError(f"parallel.tp={tp} needs {tp} ranks: launch with torchrun --nproc_per_node={tp}")
+    if tp < 1 or env.world_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide the world size ({env.world_size} ranks)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp == 1:
+        return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
+    return init_device_mesh(env.device.type, (env.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
 def destroy_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -121,6 +121,15 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def _train_state(model: torch.nn.Module, optimizer) -> dict:
+    """{"model": ..., "optim": ...} state dicts keyed by parameter name. An optimizer that keeps its state
+    elsewhere (the offload engine: fp32 masters and moments in host memory) gives its own, with more keys."""
+    if hasattr(optimizer, "checkpoint_state"):
+        return optimizer.checkpoint_state()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
 def save_checkpoint(
     run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int,
     extra_files: dict[str, str] | None = None,
@@ -135,9 +144,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd, "rng": _rng_state()}, checkpoint_id=tmp)
+        dcp.save({**_train_state(model, optimizer), "rng": _rng_state()}, checkpoint_id=tmp)
     _maybe_inject_fault(step)
     if _rank() == 0:
         # trainer_state.json goes last: its presence marks a checkpoint whose files are all written.
@@ -161,11 +169,13 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Collective. Restores model, optimizer and RNG in place; returns the trainer state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rng": _rng_state()}
+    state = {**_train_state(model, optimizer), "rng": _rng_state()}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if hasattr(optimizer, "load_checkpoint_state"):
+        optimizer.load_checkpoint_state(state)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"])

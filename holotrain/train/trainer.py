@@ -15,9 +15,12 @@ import torch.distributed as dist
 from holotrain.config import Config, ConfigError, batch_layout, resolve
 from holotrain.hw import peak_bf16_flops
 from holotrain.memory import apply_activation_checkpointing
+from holotrain.memory.offload import OffloadEngine
+from holotrain.memory.plan import check_fit
 from holotrain.model import Llama, LlamaArgs, flops_per_token, num_params
 from holotrain.parallel import DistEnv, apply_fsdp, init_distributed
-from holotrain.parallel.launch import destroy_distributed
+from holotrain.parallel.launch import destroy_distributed, device_mesh
+from holotrain.parallel.tp import apply_tp
 from holotrain.profile import PhaseClock
 from holotrain.profile.trace import StepTracer
 from holotrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -48,8 +51,15 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype) -> torch.
     # initialized: a 7B model never exists whole in host memory, and the seed alone decides the weights.
     with torch.device("meta"):
         model = Llama(args)
-    if cfg.memory.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    if cfg.memory.check_fit:
+        # A plan that cannot fit GPU or host memory is refused now, with the numbers, not by an OOM later.
+        dp = max(1, env.world_size // cfg.parallel.tp)
+        check_fit(model, cfg, env.world_size, env.device, *batch_layout(cfg, dp))
+    mesh = device_mesh(env, cfg.parallel.tp)  # ("dp",), or ("dp", "tp") with tensor parallelism
+    if cfg.parallel.tp > 1:
+        apply_tp(model, mesh["tp"], cfg.parallel.tp_overlap, cfg.parallel.tp_tiles)
+    if cfg.memory.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
     if cfg.training.compile:
         # Regional compilation: each block (identical code, compiled once) and the loss head. Keeps
         # parameter names, composes with FSDP2's per-block hooks, and compiles in seconds, not minutes.
@@ -57,17 +67,23 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype) -> torch.
             block.compile()
         model.loss = torch.compile(model.loss)
     if env.world_size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
-        apply_fsdp(model, mesh, compute_dtype, cfg.parallel.reshard_after_forward)
-    model.to_empty(device=env.device)
+        apply_fsdp(model, mesh["dp"], compute_dtype, cfg.parallel.reshard_after_forward)
+    # With offload on one device the model is materialized in fp32 on the host: the offload engine (made by
+    # build_optimizer) takes those values as its master weights and puts working copies on the device, so the
+    # GPU never holds fp32 copies of the offloaded weights. (FSDP2 shards are 1/N: they go to the device.)
+    model.to_empty(device="cpu" if cfg.memory.offload and env.world_size == 1 else env.device)
     model.init_weights(seed=cfg.job.seed)
     return model
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW, fused; no weight decay on norms (1-D parameters)."""
+def build_optimizer(model: torch.nn.Module, cfg: Config, env: DistEnv | None = None,
+                    dtype: torch.dtype | None = None) -> torch.optim.Optimizer | OffloadEngine:
+    """AdamW, fused; no weight decay on norms (1-D parameters). With memory.offload, the offload engine
+    (holotrain/memory/offload.py) in its place, which needs the run's `env` and compute `dtype`."""
+    if cfg.memory.offload:
+        if env is None:
+            raise ValueError("memory.offload: build_optimizer needs the run's DistEnv")
+        return OffloadEngine(model, cfg, env, dtype or compute_dtype_for(cfg, env.device))
     t = cfg.training
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -107,13 +123,22 @@ class TrainStep:
         # Autocast on one device; FSDP2 applies bf16 itself through its mixed-precision policy.
         self.autocast = dtype == torch.bfloat16 and env.world_size == 1
         self.attention = cfg.training.attention
-        fused_adamw = all(g.get("fused") for g in optimizer.param_groups)
-        # DTensor gradients (FSDP2) take the plain clipping path.
-        self.fold_clip = fused_adamw and env.world_size == 1
+        # memory.offload: the engine clips and steps (begin_step before the micro-batches, finish_step after).
+        self.offload = optimizer if isinstance(optimizer, OffloadEngine) else None
+        if self.offload is not None:
+            self.offload.clock = clock
+            self.fold_clip = False
+        else:
+            fused_adamw = all(g.get("fused") for g in optimizer.param_groups)
+            # DTensor gradients (FSDP2) take the plain clipping path.
+            self.fold_clip = fused_adamw and env.world_size == 1
 
     def __call__(self, fetch, accum: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        if self.offload is not None:
+            self.offload.begin_step(lr, accum)
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         total = None
         device_type = self.env.device.type
         with attention_kernels(self.attention, self.env.device):
@@ -126,9 +151,18 @@ class TrainStep:
                 with self._phase("backward"):
                     loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
+        if self.offload is not None:
+            self.offload.wait_landed()  # timed as time.offload_wait (exposed), not as the optimizer
+            with self._phase("optimizer"):
+                grad_norm = self.offload.finish_step()
+            return total, grad_norm
         with self._phase("optimizer"):
             grad_norm = self._clip_and_step()
         return total, grad_norm
+
+    def lever_metrics(self, steps: int) -> dict:
+        """Per-step figures of the levers the step drives (offload: CPU step, transfers), for the metrics row."""
+        return self.offload.metrics(steps) if self.offload is not None else {}
 
     def _phase(self, name: str):
         return self.clock.phase(name) if self.clock is not None else contextlib.nullcontext()
@@ -177,6 +211,7 @@ def _data_plane(cfg: Config, env: DistEnv, tokenizer, micro: int, accum: int, st
         sources=d.sources, tokenizer_path=str(cfg.run_dir / "tokenizer.json"), eos_id=tokenizer.token_to_id(EOS),
         pad_id=tokenizer.token_to_id(PAD) or 0, seq_len=d.seq_len, global_batch=cfg.training.batch_size,
         world_size=env.world_size, local_ranks=list(range(node_first, node_first + local)), micro_batch=micro,
+        tp=cfg.parallel.tp,
         accum=accum, seed=cfg.job.seed, max_workers=d.workers, chunk_bytes=int(d.chunk_mb * 2**20),
         prefetch_steps=d.prefetch_steps, balance=d.balance, shuffle=d.shuffle, log_samples=d.log_samples,
         backend=d.backend, ray_address=d.ray_address,
@@ -203,7 +238,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
         if turn == "first" and env.world_size > 1:
             dist.barrier()
     resolve(cfg, tokenizer_vocab=tokenizer.get_vocab_size())
-    micro, accum = batch_layout(cfg, env.world_size)
+    micro, accum = batch_layout(cfg, max(1, env.world_size // cfg.parallel.tp))  # per data-parallel rank
 
     resume_from = latest_checkpoint(run_dir)
     if resume_from is not None and not cfg.checkpoint.resume:
@@ -219,7 +254,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
 
     dtype = compute_dtype_for(cfg, env.device)
     model = build_model(cfg, env, dtype)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, env, dtype)
 
     start_step, data_state = 0, None
     if resume_from is not None:
@@ -385,6 +420,7 @@ def _steps(cfg, env, data, train_step, clock, telemetry, tracer, logger, samples
                 "step_s": step_s,
                 # time.data_wait, time.forward, time.backward, time.optimizer (+ levers' own phases)
                 **(clock.collect(interval_steps) if clock is not None else {}),
+                **train_step.lever_metrics(interval_steps),  # offload.* (memory.offload)
                 "mem.peak_gb": torch.cuda.max_memory_allocated(env.device) / 1e9 if cuda else None,
                 "mem.reserved_gb": torch.cuda.max_memory_reserved(env.device) / 1e9 if cuda else None,
                 "mem.host_rss_gb": _host_rss_gb(),

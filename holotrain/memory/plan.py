@@ -1,0 +1,323 @@
+"""The memory plan: which parameters' optimizer work runs on the CPU, how many bytes that puts on the GPU, in
+host RAM and in pinned host RAM, and a clear error, before anything is allocated, when it cannot fit.
+
+Units. The model is cut, in forward order, into units: the parameters before the first block (embedding), each
+block of `model.layers`, and the parameters after the last block (final norm, output head). A unit is the
+grain of offloading: `memory.offload_ratio` puts the last units (in forward order) on the CPU, because their
+gradients arrive first in backward and their weights are needed last by the next forward, which leaves the CPU
+the most time to update them. Parameters of fewer than 2 dimensions (norm weights, a few thousand per block)
+always stay with the GPU optimizer: they are too small to be worth a transfer.
+
+Bytes per parameter (AdamW, fp32 master weights and moments):
+  no offload, GPU      16 (fp32 weight 4, fp32 gradient 4, two moments 8)
+  offloaded, GPU        2 bf16 working weight (one GPU); 4 fp32 shard (FSDP2, divided over the ranks)
+  offloaded, host      12 (fp32 master 4, moments 8) + the gradient staging buffer in the working dtype (pinned)
+                        + 4 for the fp32 accumulator when one GPU accumulates gradients over micro-batches
+Pinned memory (cudaHostAlloc) is physical RAM that cannot be paged out: it counts against host RAM, and
+RLIMIT_MEMLOCK does not limit it, so the host check covers it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from holotrain.errors import ConfigError
+from holotrain.memory.activation_checkpointing import checkpointed_blocks
+
+GPU_USABLE = 0.95  # of free GPU memory: the caching allocator loses some to fragmentation
+HOST_USABLE = 0.90  # of available host RAM: Python, the data plane and CUDA's own host allocations need the rest
+
+
+@dataclass
+class Unit:
+    """A run of parameters that the next forward needs together; gated as one before its first use."""
+
+    name: str  # "pre", "layers.<i>" or "post"
+    index: int  # position in forward order
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+
+def model_units(model: nn.Module) -> list[Unit]:
+    """The model's parameters in forward order: before the blocks, each block, after the blocks."""
+    block_of = {}
+    for i, (name, block) in enumerate(model.layers.items()):
+        for p in block.parameters():
+            block_of[id(p)] = i
+    n_blocks = len(model.layers)
+    pre = Unit("pre", 0)
+    blocks = [Unit(f"layers.{name}", i + 1) for i, name in enumerate(model.layers.keys())]
+    post = Unit("post", n_blocks + 1)
+    seen_block = False
+    for name, p in model.named_parameters():
+        if id(p) in block_of:
+            blocks[block_of[id(p)]].params.append((name, p))
+            seen_block = True
+        else:
+            (post if seen_block else pre).params.append((name, p))
+    return [u for u in [pre, *blocks, post] if u.params]
+
+
+def offloadable(p: torch.Tensor) -> bool:
+    return p.ndim >= 2
+
+
+def offloaded_units(units: list[Unit], ratio: float) -> set[str]:
+    """Names of the units whose optimizer step runs on the CPU: the last ones in forward order, as many as
+    come closest to `ratio` of all parameters."""
+    total = sum(p.numel() for u in units for _, p in u.params)
+    target = ratio * total
+    chosen, taken = set(), 0
+    for u in reversed(units):
+        n = sum(p.numel() for _, p in u.params if offloadable(p))
+        if taken + n / 2 > target:
+            break
+        chosen.add(u.name)
+        taken += n
+    return chosen
+
+
+# --------------------------------------------------------------------------------------------
+# What is available
+
+
+def host_available_bytes() -> int:
+    """RAM this process may still take: MemAvailable, lowered by a cgroup (container) limit if there is one."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as f:
+                limit = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            avail = min(avail, int(limit) - usage)
+        break
+    return max(0, avail)
+
+
+def gpu_available_bytes(device: torch.device) -> int:
+    """Free memory on the GPU, lowered by torch.cuda.set_per_process_memory_fraction where torch reports it."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        free = min(free, int(total * fraction(device)) - torch.cuda.memory_reserved(device))
+    return max(0, free)
+
+
+# --------------------------------------------------------------------------------------------
+# What is needed
+
+
+def activation_bytes(cfg, micro: int, elem_bytes: int) -> int:
+    """Estimate of the activation memory of one micro-batch. A compiled block keeps about 7*dim + 2*ffn values
+    per token (measured on the 1.4b model on an H200: 24 GB for B=8, T=2048, with the logits); a checkpointed
+    block keeps only its input, and one block at a time is recomputed; the loss keeps the logits in bf16 and in
+    fp32 and their gradient (about 8 bytes per token and vocabulary entry). Eager blocks keep somewhat more."""
+    m = cfg.model
+    tokens = micro * cfg.data.seq_len
+    per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim)
+    recomputed = len(checkpointed_blocks(cfg.memory.activation_checkpointing, m.n_layers))
+    blocks = (m.n_layers - recomputed) * per_block + recomputed * tokens * elem_bytes * m.dim
+    if recomputed:
+        blocks += per_block
+    return blocks + tokens * m.vocab_size * 8
+
+
+@dataclass
+class Plan:
+    n_params: int
+    n_offloaded: int  # parameters whose optimizer step runs on the CPU (all ranks together)
+    ratio: float
+    gpu: dict[str, float]  # component -> bytes per rank (empty without a GPU)
+    host: dict[str, float]  # component -> bytes per rank
+    pinned: float
+    host_per_param: dict[str, int]  # bytes per offloaded parameter in host memory, by what they hold
+    gpu_capacity: float | None
+    host_capacity: float
+
+    @property
+    def host_bytes_per_param(self) -> int:
+        return sum(self.host_per_param.values())
+
+    @property
+    def gpu_need(self) -> float:
+        return sum(self.gpu.values())
+
+    @property
+    def host_need(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def gpu_fits(self) -> bool:
+        return self.gpu_capacity is None or self.gpu_need <= self.gpu_capacity
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_need <= self.host_capacity
+
+
+def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, micro: int, accum: int,
+                ratio: float | None = None, gpu_capacity: float | None = None,
+                host_capacity: float | None = None) -> Plan:
+    """Bytes per rank that training `model` (built on "meta" is fine) under `cfg` needs, and what is available."""
+    mem = cfg.memory
+    ratio = mem.offload_ratio if ratio is None else ratio
+    units = model_units(model)
+    cpu_units = offloaded_units(units, ratio) if mem.offload else set()
+    n_total = sum(p.numel() for u in units for _, p in u.params)
+    n_cpu = sum(p.numel() for u in units if u.name in cpu_units for _, p in u.params if offloadable(p))
+    n_dev = n_total - n_cpu
+    biggest = max((sum(p.numel() for _, p in u.params) for u in units), default=0)
+    cuda = device.type == "cuda"
+    bf16 = cfg.training.dtype == "bf16" or (cfg.training.dtype == "auto" and cuda)
+    elem = 2 if bf16 else 4
+    working = 2 if (cuda and world_size == 1 and bf16) else 4  # bytes of an offloaded parameter's working copy
+    per_rank = 1 / world_size
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    acts = activation_bytes(cfg, micro, elem)
+    gathered = 2 * biggest * elem if world_size > 1 else 0  # FSDP2 keeps about two blocks unsharded
+
+    host_per_param = {"fp32 master": 4, "AdamW moments": 8, "gradient staging (pinned)" if cuda else "gradient staging": working}
+    if accum > 1 and world_size == 1:
+        host_per_param["fp32 gradient accumulator"] = 4
+    offloaded_host = n_cpu * per_rank * sum(host_per_param.values())
+    upload_slots = 2 * biggest * working if mem.offload else 0
+    gpu: dict[str, float] = {}
+    host: dict[str, float] = {}
+    if cuda:
+        gpu["working weights of offloaded parameters"] = n_cpu * per_rank * (working if world_size == 1 else 8)
+        gpu["weights, gradients and AdamW kept on the GPU"] = n_dev * per_rank * 16
+        gpu["activations (estimate)"] = acts
+        if gathered:
+            gpu["gathered blocks (FSDP2)"] = gathered
+        if mem.offload:
+            gpu["gradients in flight to the host"] = 2 * biggest * working
+            host["offloaded masters, moments and staging"] = offloaded_host
+            host["upload buffers"] = upload_slots
+            if world_size == 1:
+                # The model is built in fp32 on the host and handed to the GPU unit by unit: at the start it is
+                # all there at once.
+                build_peak = 4 * n_total
+                if build_peak > offloaded_host + upload_slots:
+                    host["model built in fp32 on the host (start-up peak)"] = build_peak - offloaded_host - upload_slots
+    else:
+        host["weights, gradients and AdamW"] = n_dev * per_rank * 16
+        host["activations (estimate)"] = acts
+        if mem.offload:
+            host_per_param["working weight"] = working
+            host["offloaded masters, moments and staging"] = n_cpu * per_rank * sum(host_per_param.values())
+    pinned = (n_cpu * per_rank * working + upload_slots) if (cuda and mem.offload) else 0.0
+    if gpu_capacity is None and cuda:
+        gpu_capacity = gpu_available_bytes(device) * GPU_USABLE
+    if host_capacity is None:
+        host_capacity = host_available_bytes() / max(1, local_ranks) * HOST_USABLE
+    return Plan(n_total, n_cpu, ratio, gpu, host, pinned, host_per_param, gpu_capacity if cuda else None,
+                host_capacity)
+
+
+# --------------------------------------------------------------------------------------------
+# The check
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB"
+
+
+def _parts(parts: dict[str, float]) -> str:
+    return " + ".join(f"{_gb(v)} {k}" for k, v in parts.items() if v >= 0.05e9)
+
+
+def check_fit(model: nn.Module, cfg, world_size: int, device: torch.device, micro: int, accum: int, **capacity) -> Plan:
+    """Raises ConfigError, naming the keys to change and with the numbers, when the plan cannot fit."""
+    plan = plan_memory(model, cfg, world_size, device, micro, accum, **capacity)
+    if plan.gpu_fits and plan.host_fits:
+        return plan
+    mem = cfg.memory
+    lines = [
+        f"the memory plan does not fit: {plan.n_params / 1e9:.2f}B parameters, micro-batch {micro} x "
+        f"{cfg.data.seq_len}, memory.activation_checkpointing = {mem.activation_checkpointing!r}, "
+        + (f"memory.offload = true with memory.offload_ratio = {plan.ratio:g} "
+           f"({plan.n_offloaded / 1e9:.2f}B parameters' optimizer on the CPU)" if mem.offload else "memory.offload = false")
+        + (f", {world_size} ranks" if world_size > 1 else "") + "."
+    ]
+    if not plan.gpu_fits:
+        lines.append(f"GPU: needs {_gb(plan.gpu_need)} per rank = {_parts(plan.gpu)}, but {_gb(plan.gpu_capacity)} "
+                     f"is usable ({GPU_USABLE:.0%} of free).")
+    if not plan.host_fits:
+        per = (f" ({plan.host_bytes_per_param} bytes per offloaded parameter: "
+               + " + ".join(f"{k} {v}" for k, v in plan.host_per_param.items()) + ")") if mem.offload else ""
+        pinned = (f", of which {_gb(plan.pinned)} pinned (pinned memory counts against host RAM; RLIMIT_MEMLOCK does "
+                  f"not limit cudaHostAlloc)") if device.type == "cuda" else ""
+        lines.append(f"Host: needs {_gb(plan.host_need)} per rank = {_parts(plan.host)}{per}{pinned}, but "
+                     f"{_gb(plan.host_capacity)} is usable ({HOST_USABLE:.0%} of the available host RAM, MemAvailable or "
+                     f"the container limit, shared by this node's ranks).")
+    lines.append("To fit: " + "; ".join(_suggestions(model, cfg, world_size, device, micro, accum, plan, capacity)) + ".")
+    raise ConfigError(" ".join(lines))
+
+
+def _suggestions(model, cfg, world_size, device, micro, accum, plan: Plan, capacity) -> list[str]:
+    """Changes that make the plan fit, each tried on its own; or, where none does, what each would save."""
+    mem = cfg.memory
+    caps = {"gpu_capacity": plan.gpu_capacity, "host_capacity": plan.host_capacity, **capacity}
+
+    def outcome(trial_cfg, trial_micro, trial_accum, ratio=None) -> str:
+        p = plan_memory(model, trial_cfg, world_size, device, trial_micro, trial_accum, ratio=ratio, **caps)
+        if p.gpu_fits and p.host_fits:
+            return "fits"
+        saved = (0 if plan.gpu_fits else plan.gpu_need - p.gpu_need) + (0 if plan.host_fits else plan.host_need - p.host_need)
+        return f"saves {_gb(saved)}, not enough alone" if saved > 0 else ""
+
+    out = []
+    # The offload ratios that fit as configured otherwise (they step at unit boundaries).
+    on = _with(cfg, offload=True)
+    fitting = [r / 100 for r in range(101) if outcome(on, micro, accum, ratio=r / 100) == "fits"]
+    if fitting:
+        if mem.offload:
+            best = min(fitting, key=lambda r: abs(r - plan.ratio))
+            out.append(f"memory.offload_ratio = {best:g} (fits from {min(fitting):g} to {max(fitting):g})")
+        else:
+            out.append(f"memory.offload = true with memory.offload_ratio from {min(fitting):g} to {max(fitting):g}")
+    elif mem.offload:
+        out.append("no memory.offload_ratio fits both memories as configured")
+    tries = []
+    if mem.activation_checkpointing != "full":
+        tries.append(('memory.activation_checkpointing = "full"', _with(cfg, activation_checkpointing="full"), micro, accum))
+    if micro > 1:
+        tries.append((f"training.micro_batch_size = {micro // 2} (accumulation keeps the batch)", cfg, micro // 2,
+                      accum * 2))
+    if accum > 1 and world_size == 1 and mem.offload:
+        tries.append(("no gradient accumulation (no fp32 accumulator on the host; larger activations)", cfg,
+                      micro * accum, 1))
+    for text, trial, m, a in tries:
+        result = outcome(trial, m, a)
+        if result:
+            out.append(f"{text}: {result}")
+    out.append("memory.check_fit = false to try anyway")
+    return out
+
+
+def _with(cfg, **memory):
+    """A copy of cfg with some memory.* keys changed."""
+    import copy
+
+    trial = copy.deepcopy(cfg)
+    for k, v in memory.items():
+        setattr(trial.memory, k, v)
+    return trial

@@ -1,0 +1,546 @@
+"""The fused tensor-parallel GEMMs (parallel.tp_overlap = "fused"): persistent Triton GEMMs over symmetric memory.
+
+All-gather + GEMM (`ag_gemm_kernel`)
+  Each rank copies its rows a_shard [m, K] into its symmetric buffer (double-buffered by call parity), then
+  one symmetric-memory barrier says every shard is in place. The copy engine pulls the peers' shards over
+  NVLink into the gathered output [M, K] (an ordinary tensor, kept for the weight gradient), piece by piece
+  on a side stream, and after each piece a stream memory operation (cuStreamWriteValue32, with its
+  system-wide fence, no SM needed) raises that piece's flag. The local shard reaches the gathered tensor
+  the same way on a second stream, in small pieces so the first lands within microseconds. One persistent
+  GEMM, launched at once beside them, walks its tiles in arrival order (its own rows first, then the peers'
+  in the order the copy stream delivers them) and spins on a piece's flag (acquire) before its first load
+  from it. The GEMM leaves `reserve_sms` SMs free for the barrier kernel.
+
+GEMM + reduce-scatter (`gemm_rs_kernel`)
+  One persistent GEMM computes the rows that belong to the peers first and its own rows last. A peer's
+  tile goes straight into that peer's symmetric staging buffer (NVLink stores from the epilogue); when a
+  CTA moves on from a peer's rows, one release atomic on that peer's per-source counter adds the tiles it
+  stored there (one system-scope fence per CTA and peer, not per tile). The own rows' epilogues wait
+  (acquire) until every peer's counter shows all its tiles of the call, add those partial sums to the
+  accumulator in fp32 and write the result: the reduction is fused into the epilogue, and the transfers
+  run while the remaining tiles compute. Counters are cumulative (no reset, so no barrier per
+  call); staging is double-buffered by call parity, which the kernels' own ordering makes safe. Tiles are
+  handed out by an atomic counter in index order, so every peer tile is computed by a running CTA before any
+  CTA can wait on a peer: no deadlock, whatever else shares the GPU.
+
+Both spin loops give up after `spin_limit` polls and record the failed wait in an error word that
+FusedTP.check() turns into an exception (every 64 calls without synchronizing, or on demand).
+Runs on Hopper-class GPUs with Triton >= 3.4 (host-side TMA descriptors); bf16/fp16 operands, fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+HEADER = 4096  # bytes at the start of a symmetric buffer: counters (gemm+rs), markers (self-test)
+_MARKER = 2048
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class Tiles:
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    stages: int = 3
+    warps: int = 8
+    group_m: int = 8
+    reserve_sms: int = 2  # left to the copy stream's small kernels while the all-gather GEMM runs
+    dynamic: int = 1  # GEMM + reduce-scatter tiles handed out by an atomic counter (1) or round-robin (0)
+    ws: int = 0  # Triton's automatic warp specialization of the K loop (experimental on Hopper)
+
+    def __str__(self) -> str:
+        return (f"{self.bm}x{self.bn}x{self.bk}-s{self.stages}-w{self.warps}-g{self.group_m}-r{self.reserve_sms}"
+                f"-d{self.dynamic}-x{self.ws}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _wait_at_least(ptr, target, spin_limit, err_ptr, code):
+    """Spin until *ptr >= target (acquire, system scope); after spin_limit polls, record `code` and go on."""
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    n = 0
+    while (v < target) & (n < spin_limit):
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        n += 1
+    if v < target:
+        tl.atomic_xchg(err_ptr, code)
+
+
+@triton.jit
+def _signal(bases_ptr, peer, rank, count):
+    """counters[rank] += count on `peer`, released at system scope after this CTA's stores to it."""
+    tl.debug_barrier()  # every thread's stores issued before the release
+    peer_base = tl.load(bases_ptr + peer)
+    tl.atomic_add(peer_base.to(tl.pointer_type(tl.int64)) + rank, count, sem="release", scope="sys")
+
+
+@triton.jit
+def _tile(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile t of one chunk in grouped order (GROUP_M row tiles sweep the columns together: L2 reuse)."""
+    per_group = GROUP_M * tiles_n
+    first_m = (t // per_group) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % rows_in_group
+    pid_n = (t % per_group) // rows_in_group
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mainloop(a_desc, b_desc, off_am, off_bn, k_tiles,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_NK: tl.constexpr, WS: tl.constexpr):
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kt in tl.range(0, k_tiles, warp_specialize=WS):
+        k = kt * BK
+        a = a_desc.load([off_am, k])
+        if B_NK:  # weight stored [N, K] (nn.Linear): y = a @ w.T
+            b = b_desc.load([off_bn, k])
+            acc = tl.dot(a, b.T, acc)
+        else:  # [K, N]
+            b = b_desc.load([k, off_bn])
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _proxy_fence(x):
+    # Orders the generic-proxy acquire before the async-proxy (TMA) loads that follow it.
+    return tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["rank", "world", "m", "N", "K", "piece_rows", "splits", "spin_limit", "nprog"])
+def ag_gemm_kernel(a_desc, b_desc, c_ptr, flags_ptr, err_ptr,
+                   rank, world, m, N, K, piece_rows, splits, spin_limit, nprog,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                   B_NK: tl.constexpr, FENCE: tl.constexpr, WS: tl.constexpr = False):
+    """C[M, N] = A[M, K] @ B with A the gathered rows, arriving chunk by chunk (chunk c = rows of rank c).
+
+    flags[s * splits + p] becomes 1 when piece p of the s-th chunk to arrive (s = 0: this rank's own) is in A.
+    Pieces hold whole groups of GROUP_M row tiles, so a CTA meets them in non-decreasing order and polls each
+    piece's flag once.
+    """
+    tiles_m = tl.cdiv(m, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_chunk = tiles_m * tiles_n
+    total = per_chunk * world
+    k_tiles = tl.cdiv(K, BK)
+    seen = -1
+    for t in range(tl.program_id(0), total, nprog):  # nprog: the grid size
+        slot = t // per_chunk  # arrival order: own rows, then rank+1, rank+2, ... (the copy stream's order)
+        pid_m, pid_n = _tile(t % per_chunk, tiles_m, tiles_n, GROUP_M)
+        chunk = (rank + slot) % world
+        row = pid_m * BM
+        piece = slot * splits + row // piece_rows
+        if piece != seen:
+            _wait_at_least(flags_ptr + piece, 1, spin_limit, err_ptr, 1 + chunk)
+            if FENCE:
+                _proxy_fence(piece)
+            seen = piece
+        acc = _mainloop(a_desc, b_desc, chunk * m + row, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
+        rows = row + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        offs = (chunk * m + rows).to(tl.int64)[:, None] * N + cols[None, :]
+        mask = (rows < m)[:, None] & (cols < N)[None, :]  # a tile never spills into the next chunk's rows
+        tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rank", "world", "m", "N", "K", "stage_off", "expected", "spin_limit", "nprog"])
+def gemm_rs_kernel(a_desc, b_desc, out_ptr, bases_ptr, counter_ptr, err_ptr,
+                   rank, world, m, N, K, stage_off, expected, spin_limit, nprog,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                   B_NK: tl.constexpr, HEADER_BYTES: tl.constexpr, DYNAMIC: tl.constexpr, WS: tl.constexpr = False):
+    """out[m, N] = sum over ranks r of (A_r @ B_r)[rows of this rank], A [M = world * m, K].
+
+    bases[r] is rank r's symmetric buffer (mapped here): int64 counters[world] at its start, then staging
+    [2 parities][world sources][m, N]; stage_off is this call's parity offset in elements.
+    """
+    DT = out_ptr.dtype.element_ty
+    tiles_m = tl.cdiv(m, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_chunk = tiles_m * tiles_n
+    total = per_chunk * world
+    k_tiles = tl.cdiv(K, BK)
+    chunk_elems = m.to(tl.int64) * N
+    my_base = tl.load(bases_ptr + rank)
+    ready = 0
+    pending = 0  # tiles stored into peer `pending_chunk` and not yet signalled
+    pending_chunk = rank
+    if DYNAMIC:
+        t = tl.atomic_add(counter_ptr, 1)
+    else:
+        t = tl.program_id(0)
+    while t < total:
+        slot = t // per_chunk  # the peers' rows first (rank+1, rank+2, ...), this rank's own rows last
+        chunk = (rank + 1 + slot) % world
+        if (pending > 0) & (chunk != pending_chunk):  # one release per peer and CTA, not per tile
+            _signal(bases_ptr, pending_chunk, rank, pending)
+            pending = 0
+        pid_m, pid_n = _tile(t % per_chunk, tiles_m, tiles_n, GROUP_M)
+        row = pid_m * BM
+        acc = _mainloop(a_desc, b_desc, chunk * m + row, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
+        rows = row + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        mask = (rows < m)[:, None] & (cols < N)[None, :]
+        if chunk != rank:
+            peer_base = tl.load(bases_ptr + chunk)
+            dst = (peer_base + HEADER_BYTES).to(tl.pointer_type(DT)) + stage_off + rank * chunk_elems
+            tl.store(dst + offs, acc.to(DT), mask=mask)
+            pending += 1
+            pending_chunk = chunk
+        else:
+            counters = my_base.to(tl.pointer_type(tl.int64))
+            stage = (my_base + HEADER_BYTES).to(tl.pointer_type(DT)) + stage_off
+            if ready == 0:  # once all peers' tiles of this call are in, later own tiles need not poll
+                for p in range(0, world):
+                    if p != rank:
+                        _wait_at_least(counters + p, expected, spin_limit, err_ptr, 100 + p)
+                ready = 1
+            for p in range(0, world):
+                if p != rank:
+                    part = tl.load(stage + p * chunk_elems + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    acc += part.to(tl.float32)
+            tl.store(out_ptr + offs, acc.to(DT), mask=mask)
+        if DYNAMIC:
+            t = tl.atomic_add(counter_ptr, 1)
+        else:
+            t += nprog
+    if pending > 0:
+        _signal(bases_ptr, pending_chunk, rank, pending)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Host side
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous with a 16-byte aligned start (TMA descriptors need it)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _b_desc(w: torch.Tensor, layout: str, tiles: Tiles) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(w, [tiles.bn, tiles.bk] if layout == "nk" else [tiles.bk, tiles.bn])
+
+
+def _output(t: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError(f"fused TP: output must be a contiguous, 16-byte aligned {dtype} tensor of shape {shape}, "
+                         f"got {t.dtype} {tuple(t.shape)}")
+    return t
+
+
+def _check_operands(name: str, a: torch.Tensor, w: torch.Tensor, layout: str) -> tuple[int, int]:
+    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
+        raise TypeError(f"fused {name}: bf16/fp16 operands of one dtype needed, got {a.dtype} and {w.dtype}")
+    if a.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"fused {name}: 2-D operands needed, got {tuple(a.shape)} and {tuple(w.shape)}")
+    K = a.shape[1]
+    N, Kw = (w.shape[0], w.shape[1]) if layout == "nk" else (w.shape[1], w.shape[0])
+    if Kw != K:
+        raise ValueError(f"fused {name}: inner dimensions differ, a {tuple(a.shape)}, w {tuple(w.shape)} ({layout})")
+    if K % 8 or N % 8:
+        raise ValueError(f"fused {name}: K={K} and N={N} must be multiples of 8 (TMA needs 16-byte row strides)")
+    return K, N
+
+
+class _Symm:
+    """One symmetric buffer of the group: the local tensor, its handle, and every rank's base address."""
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.nbytes = nbytes
+        self.tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        try:
+            self.handle = symm_mem.rendezvous(self.tensor, group.group_name)
+        except Exception as e:
+            raise RuntimeError(
+                f"fused TP: symmetric-memory rendezvous of {nbytes / 2**20:.0f} MiB failed on rank {dist.get_rank()} "
+                f"(torch {torch.__version__}; TORCH_SYMM_MEM_DISABLE_MULTICAST="
+                f"{os.environ.get('TORCH_SYMM_MEM_DISABLE_MULTICAST')}): {e}") from e
+        rank, world = self.handle.rank, self.handle.world_size
+        # get_buffer offsets count from the handle's buffer start; find where our tensor lies in it.
+        own = self.handle.get_buffer(rank, (1,), torch.uint8)
+        self.offset = self.tensor.data_ptr() - own.data_ptr()
+        self.views = [self.handle.get_buffer(r, (nbytes,), torch.uint8, storage_offset=self.offset)
+                      for r in range(world)]
+        self.bases = torch.tensor([v.data_ptr() for v in self.views], dtype=torch.int64, device=device)
+        # Self-test: every rank's marker must read back through the peers' mappings.
+        self.tensor[:HEADER].zero_()
+        self.tensor[_MARKER:_MARKER + 4].view(torch.int32).fill_(rank + 1)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+        seen = [int(v[_MARKER:_MARKER + 4].view(torch.int32).item()) for v in self.views]
+        if seen != [r + 1 for r in range(world)]:
+            raise RuntimeError(f"fused TP: symmetric memory self-test failed on rank {rank}: markers read "
+                               f"{seen}, expected {[r + 1 for r in range(world)]} (offset {self.offset})")
+        self.tensor[_MARKER:_MARKER + 4].zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+
+    def view(self, rank: int, offset_bytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        size = torch.tensor([], dtype=dtype).element_size()
+        return self.views[rank][offset_bytes:offset_bytes + n * size].view(dtype).view(shape)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def _write_flag(flags: torch.Tensor, index: int) -> None:
+    """flags[index] = 1 on the current stream, after everything before it on that stream (no SM needed)."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    try:
+        _SymmetricMemory.stream_write_value32(flags.view(torch.uint32), index, 1)
+    except (AttributeError, RuntimeError, TypeError):  # older torch: a one-element fill (a kernel)
+        flags[index : index + 1].fill_(1)
+
+
+class FusedTP:
+    """The fused path of one tensor-parallel group: workspaces, streams, and the two ops."""
+
+    def __init__(self, group: dist.ProcessGroup, tiles: Tiles | None = None):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.tiles = tiles or Tiles()
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.copy_stream = torch.cuda.Stream(self.device, priority=-1)
+        self.local_stream = torch.cuda.Stream(self.device, priority=-1)
+        self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._error_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._error_event = None
+        self.spin_limit = int(os.environ.get("HOLOTRAIN_TP_SPIN_LIMIT", str(1 << 26)))
+        self.piece_bytes = int(float(os.environ.get("HOLOTRAIN_TP_PIECE_MB", "4")) * 2**20)
+        self.barrier_timeout_ms = int(os.environ.get("HOLOTRAIN_TP_BARRIER_MS", "120000"))
+        self._ag: _Symm | None = None
+        self._rs: _Symm | None = None
+        self._retired: list[_Symm] = []  # outgrown buffers: peers' in-flight work may still touch them
+        self.ag_calls = self.rs_calls = 0
+        self.rs_expected = 0
+        self._rs_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._calls = 0
+        self._kn_transposed = False
+        self._fence = not _INTERPRET
+
+    # -- workspaces
+
+    def _workspace(self, which: str, nbytes: int) -> _Symm:
+        ws = getattr(self, which)
+        if ws is None or ws.nbytes < nbytes:
+            if ws is not None:
+                self._retired.append(ws)
+            ws = _Symm(self.group, nbytes, self.device)
+            setattr(self, which, ws)
+            if which == "_rs":
+                self.rs_expected = 0  # fresh counters
+        return ws
+
+    # -- errors
+
+    def check(self, sync: bool = True) -> None:
+        """Raises if a kernel gave up waiting for a peer. sync=False reads the word copied at an earlier call."""
+        if sync:
+            torch.cuda.current_stream(self.device).synchronize()
+            code = int(self.error.item())
+        else:
+            if self._error_event is None or not self._error_event.query():
+                return
+            code = int(self._error_host.item())
+        if code:
+            self.error.zero_()
+            what = (f"all-gather piece from rank {code - 1}" if code < 100 else
+                    f"reduce-scatter partial sums from rank {code - 100}")
+            raise RuntimeError(f"fused TP on rank {dist.get_rank()}: a kernel gave up waiting for the {what} after "
+                               f"{self.spin_limit} polls (HOLOTRAIN_TP_SPIN_LIMIT); a peer is missing or the "
+                               "ranks' calls went out of step. Results of that call are wrong.")
+
+    def _watch(self) -> None:
+        self._calls += 1
+        if self._calls % 64 == 0:
+            self.check(sync=False)
+            self._error_host.copy_(self.error, non_blocking=True)
+            self._error_event = torch.cuda.Event()
+            self._error_event.record()
+
+    # -- kernel launch, with fallbacks
+
+    def _launch(self, launch, w: torch.Tensor, layout: str, fenced: bool = True) -> None:
+        """launch(w, layout, fence). Should a variant fail to compile on this Triton, the next is tried, and the
+        one that works is kept (reported once): without the proxy fence, then with the [K, N] weight transposed
+        into a [N, K] copy (small beside the activations)."""
+        if layout == "kn" and self._kn_transposed:
+            w, layout = w.t().contiguous(), "nk"
+        try:
+            return launch(w, layout, self._fence)
+        except Exception as first:
+            errors = [first]
+        variants = []
+        if self._fence and fenced:
+            variants.append((w, layout, False, "without the proxy fence"))
+        if layout == "kn":
+            variants.append((w.t().contiguous(), "nk", self._fence, "with the weight transposed"))
+        for w2, layout2, fence, what in variants:
+            try:
+                launch(w2, layout2, fence)
+            except Exception as e:
+                errors.append(e)
+                continue
+            self._fence = fence
+            self._kn_transposed = self._kn_transposed or layout2 != layout
+            print(f"holotrain fused TP (rank {dist.get_rank()}): kernel failed ({_first_line(errors[0])}); "
+                  f"running {what} from now on", file=sys.stderr, flush=True)
+            return None
+        raise errors[0]
+
+    # -- all-gather + GEMM
+
+    def _pieces(self, m: int, row_bytes: int) -> tuple[int, int]:
+        """(rows per piece, pieces per chunk): pieces of about piece_bytes, whole groups of row tiles each."""
+        unit = self.tiles.bm * self.tiles.group_m
+        splits = max(1, min(64, _cdiv(m * row_bytes, self.piece_bytes)))
+        piece_rows = _cdiv(_cdiv(m, splits), unit) * unit
+        return piece_rows, _cdiv(m, piece_rows)
+
+    def all_gather_matmul(self, a_shard: torch.Tensor, w: torch.Tensor, layout: str = "nk",
+                          out: torch.Tensor | None = None, gathered: torch.Tensor | None = None):
+        """(gathered [M, K], gathered @ B [M, N]); `out` / `gathered`: contiguous outputs to write into."""
+        K, N = _check_operands("all_gather_matmul", a_shard, w, layout)
+        a_shard, w = _aligned(a_shard), _aligned(w)
+        m, W, rank, tiles = a_shard.shape[0], self.world, self.rank, self.tiles
+        dtype, elt = a_shard.dtype, a_shard.element_size()
+        gathered = _output(gathered, (W * m, K), dtype, self.device)
+        y = _output(out, (W * m, N), dtype, self.device)
+        if m == 0:
+            return gathered, y
+        slot_bytes = _cdiv(m * K * elt, HEADER) * HEADER
+        ws = self._workspace("_ag", HEADER + 2 * slot_bytes)
+        parity = self.ag_calls & 1
+        self.ag_calls += 1
+        slot_off = HEADER + parity * slot_bytes
+        piece_rows, splits = self._pieces(m, K * elt)
+        flags = torch.zeros(W * splits, dtype=torch.int32, device=self.device)
+
+        compute = torch.cuda.current_stream(self.device)
+        self.local_stream.wait_stream(compute)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.local_stream):  # own rows into the output, the first piece first
+            for p in range(splits):
+                r0, r1 = p * piece_rows, min(m, (p + 1) * piece_rows)
+                gathered[rank * m + r0: rank * m + r1].copy_(a_shard[r0:r1])
+                _write_flag(flags, p)
+        with torch.cuda.stream(self.copy_stream):
+            ws.view(rank, slot_off, (m, K), dtype).copy_(a_shard)
+            ws.handle.barrier(channel=0, timeout_ms=self.barrier_timeout_ms)  # every shard is in its buffer
+            for s in range(1, W):
+                src = (rank + s) % W
+                peer = ws.view(src, slot_off, (m, K), dtype)
+                for p in range(splits):
+                    r0, r1 = p * piece_rows, min(m, (p + 1) * piece_rows)
+                    gathered[src * m + r0: src * m + r1].copy_(peer[r0:r1])  # copy engine, over NVLink
+                    _write_flag(flags, s * splits + p)
+
+        total = _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn) * W
+        grid = max(1, min(total, self.num_sms - tiles.reserve_sms))
+        a_desc = TensorDescriptor.from_tensor(gathered, [tiles.bm, tiles.bk])
+
+        def launch(w, layout, fence):
+            ag_gemm_kernel[(grid,)](
+                a_desc, _b_desc(w, layout, tiles), y, flags, self.error, rank, W, m, N, K, piece_rows, splits,
+                self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m,
+                B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
+            )
+
+        self._launch(launch, w, layout)
+        compute.wait_stream(self.copy_stream)
+        compute.wait_stream(self.local_stream)
+        for t in (a_shard, gathered, flags):
+            t.record_stream(self.copy_stream)
+            t.record_stream(self.local_stream)
+        self._watch()
+        return gathered, y
+
+    # -- GEMM + reduce-scatter
+
+    def matmul_reduce_scatter(self, a: torch.Tensor, w: torch.Tensor, layout: str = "nk",
+                              out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's rows of the group's sum of a @ B, [M / world, N]; `out`: a contiguous output to write into."""
+        K, N = _check_operands("matmul_reduce_scatter", a, w, layout)
+        a, w = _aligned(a), _aligned(w)
+        W, tiles = self.world, self.tiles
+        M = a.shape[0]
+        if M % W:
+            raise ValueError(f"fused matmul_reduce_scatter: {M} rows do not split over {W} ranks")
+        m = M // W
+        out = _output(out, (m, N), a.dtype, self.device)
+        if m == 0:
+            return out
+        stage_elems = W * m * N
+        ws = self._workspace("_rs", HEADER + 2 * stage_elems * a.element_size())
+        parity = self.rs_calls & 1
+        self.rs_calls += 1
+        self.rs_expected += _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn)  # tiles each peer sends per call
+        self._rs_counter.zero_()
+        grid = self.num_sms if tiles.dynamic else min(self.num_sms, W * _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn))
+        a_desc = TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk])
+
+        def launch(w, layout, fence):  # no TMA load follows a wait in this kernel: no fence to drop
+            gemm_rs_kernel[(grid,)](
+                a_desc, _b_desc(w, layout, tiles), out, ws.bases, self._rs_counter, self.error, self.rank, W, m, N,
+                K, parity * stage_elems, self.rs_expected, self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn,
+                BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk", HEADER_BYTES=HEADER,
+                DYNAMIC=bool(tiles.dynamic), WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
+            )
+
+        self._launch(launch, w, layout, fenced=False)
+        self._watch()
+        return out
+
+
+def triton_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: Tiles | None = None,
+                  num_sms: int | None = None) -> torch.Tensor:
+    """The fused kernels' GEMM alone (no communication): a [M, K] @ B, for tests and the benchmark."""
+    tiles = tiles or Tiles()
+    K, N = _check_operands("matmul", a, w, layout)
+    a, w = _aligned(a), _aligned(w)
+    M = a.shape[0]
+    y = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    flags = torch.ones(1, dtype=torch.int32, device=a.device)
+    error = torch.zeros(1, dtype=torch.int32, device=a.device)
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    rows = max(tiles.bm, _cdiv(M, tiles.bm) * tiles.bm)
+    total = _cdiv(M, tiles.bm) * _cdiv(N, tiles.bn)
+    grid = max(1, min(total, num_sms))
+    ag_gemm_kernel[(grid,)](
+        TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk]), _b_desc(w, layout, tiles), y, flags, error,
+        0, 1, M, N, K, rows, 1, 1 << 20, grid,
+        BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk",
+        FENCE=a.is_cuda and not _INTERPRET, WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
+    )
+    return y
+

@@ -1,0 +1,250 @@
+"""Run by tests/test_gpu_tp.py under torchrun on 2 GPUs (NCCL): the fused Triton ops and torch async-TP against
+the unfused bf16 result (NCCL collective + cuBLAS), on fresh random inputs each run, into outputs poisoned with
+NaN. Every check runs even if an earlier one failed; the last line says how many failed.
+
+  torchrun --standalone --nproc_per_node=2 tests/gpu_tp_worker.py [--quick]
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from holotrain.parallel.overlap import TPComm, ag_linear, all_gather_matmul, linear_rs, matmul_reduce_scatter  # noqa: E402
+
+# (M rows over the group, K, N): the benchmark's shapes and an odd one (no dimension a multiple of a tile).
+SHAPES = [(8192, 4096, 14336), (16384, 4096, 14336), (8192, 8192, 14336), (16384, 8192, 14336), (2000, 1032, 1040)]
+QUICK = [(8192, 4096, 14336), (2000, 1032, 1040)]
+FAILED: list[str] = []
+
+
+def log(msg: str, all_ranks: bool = False) -> None:
+    if all_ranks or dist.get_rank() == 0:
+        print(f"[rank {dist.get_rank()}] {msg}", flush=True)
+
+
+def check(name: str, fn) -> None:
+    t0 = time.perf_counter()
+    try:
+        detail = fn()
+        torch.cuda.synchronize()
+        log(f"PASS {name} {detail or ''} ({time.perf_counter() - t0:.1f} s)")
+    except Exception as e:
+        FAILED.append(name)
+        log(f"FAIL {name}: {type(e).__name__}: {e}\n{traceback.format_exc()}", all_ranks=True)
+
+
+def compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-2) -> str:
+    """Relative Frobenius error within `tol`, no NaN (poisoned outputs left unwritten), no wrong tile."""
+    if got.shape != want.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    nan = torch.isnan(got).sum().item()
+    if nan:
+        bad = torch.isnan(got).nonzero()[:3].tolist()
+        raise AssertionError(f"{name}: {nan} NaN elements (unwritten, e.g. at {bad})")
+    d = (got.float() - want.float())
+    rel = (d.norm() / want.float().norm().clamp(min=1e-30)).item()
+    rms = want.float().pow(2).mean().sqrt().item()
+    worst = d.abs().max().item() / max(rms, 1e-30)
+    if rel > tol or worst > 0.25:
+        idx = d.abs().argmax().item()
+        r, c = divmod(idx, got.shape[1])
+        raise AssertionError(f"{name}: relative error {rel:.2e} (tol {tol}), worst element {worst:.2e} x rms at "
+                             f"({r}, {c}): got {got[r, c].item()}, want {want[r, c].item()}")
+    return f"rel {rel:.1e}"
+
+
+def poisoned(shape, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    rank, W = dist.get_rank(), dist.get_world_size()
+    faulthandler.dump_traceback_later(float(os.environ.get("HOLOTRAIN_TEST_WATCHDOG_S", "400")), exit=True)
+    seed = torch.tensor([int.from_bytes(os.urandom(4), "little") if rank == 0 else 0], device=device)
+    dist.broadcast(seed, 0)
+    seed = int(seed.item())
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, world {W}, seed {seed}, "
+        f"TORCH_SYMM_MEM_DISABLE_MULTICAST={os.environ.get('TORCH_SYMM_MEM_DISABLE_MULTICAST')}, "
+        f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+    try:
+        import triton
+
+        log(f"triton {triton.__version__}")
+    except ImportError:
+        log("triton missing: the fused checks will fail")
+    gen = torch.Generator(device=device).manual_seed(seed * 8 + rank)  # each rank its own data
+    group = dist.group.WORLD
+    comms = {}
+    for mode in ("none", "async_tp", "fused"):
+        try:
+            comms[mode] = TPComm(group, mode)
+        except Exception as e:
+            FAILED.append(f"TPComm({mode})")
+            log(f"FAIL TPComm({mode}): {type(e).__name__}: {e}", all_ranks=True)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale).to(torch.bfloat16)
+
+    # The Triton GEMM alone against cuBLAS.
+    def gemm_alone():
+        from holotrain.parallel.overlap_kernels import triton_matmul
+
+        out = []
+        for layout in ("nk", "kn"):
+            a = rand(4096, 4096)
+            w = rand(3584, 4096, scale=4096 ** -0.5) if layout == "nk" else rand(4096, 3584, scale=4096 ** -0.5)
+            want = a @ (w.t() if layout == "nk" else w)
+            out.append(compare(f"triton matmul {layout}", triton_matmul(a, w, layout), want))
+        return " ".join(out)
+
+    if "fused" in comms:
+        check("triton GEMM alone vs cuBLAS (nk, kn)", gemm_alone)
+
+    shapes = QUICK if quick else SHAPES
+    for M, K, N in shapes:
+        m, nl = M // W, N // W
+        for layout in ("nk", "kn"):
+            # all-gather + GEMM: a_shard [m, K] per rank, B = this rank's N/W columns.
+            a = rand(m, K)
+            w = rand(nl, K, scale=K ** -0.5) if layout == "nk" else rand(K, nl, scale=K ** -0.5)
+            ref_g, ref_y = all_gather_matmul(a, w, comms["none"], layout)
+            for mode in ("async_tp", "fused"):
+                if mode not in comms:
+                    continue
+
+                def ag(mode=mode, a=a, w=w, ref_g=ref_g, ref_y=ref_y, layout=layout):
+                    if mode == "fused":
+                        y, g = poisoned((M, nl), device), poisoned((M, K), device)
+                        comms[mode].fused.all_gather_matmul(a, w, layout, out=y, gathered=g)
+                        comms[mode].fused.check()
+                    else:
+                        torch.empty(M * (nl + K) * 2, dtype=torch.bfloat16, device=device).fill_(float("nan"))
+                        g, y = all_gather_matmul(a, w, comms[mode], layout)
+                    if not torch.equal(g, ref_g):
+                        raise AssertionError("gathered rows differ from NCCL's all-gather")
+                    return compare("all_gather_matmul", y, ref_y)
+
+                check(f"{mode} all_gather_matmul M={M} K={K} N={N} {layout}", ag)
+            # GEMM + reduce-scatter: a [M, N/W] per rank, B [N/W -> K]; output [m, K].
+            a = rand(M, nl)
+            w = rand(K, nl, scale=N ** -0.5) if layout == "nk" else rand(nl, K, scale=N ** -0.5)
+            ref = matmul_reduce_scatter(a, w, comms["none"], layout)
+            for mode in ("async_tp", "fused"):
+                if mode not in comms:
+                    continue
+
+                def rs(mode=mode, a=a, w=w, ref=ref, layout=layout):
+                    if mode == "fused":
+                        out = poisoned((m, K), device)
+                        comms[mode].fused.matmul_reduce_scatter(a, w, layout, out=out)
+                        comms[mode].fused.check()
+                    else:
+                        torch.empty(M * K * 2, dtype=torch.bfloat16, device=device).fill_(float("nan"))
+                        out = matmul_reduce_scatter(a, w, comms[mode], layout)
+                    return compare("matmul_reduce_scatter", out, ref)
+
+                check(f"{mode} matmul_reduce_scatter M={M} K={K} N={N} {layout}", rs)
+
+    if "fused" in comms:
+        def back_to_back():
+            """Calls queued without synchronizing (the double-buffered workspaces and cumulative counters)."""
+            M, K, N = 4096, 2048, 5632
+            m, nl = M // W, N // W
+            jobs, outs = [], []
+            for i in range(12):
+                a, w = rand(m, K), rand(nl, K, scale=K ** -0.5)
+                a2, w2 = rand(M, nl), rand(K, nl, scale=N ** -0.5)
+                jobs.append((a, w, a2, w2))
+                outs.append((comms["fused"].fused.all_gather_matmul(a, w)[1],
+                             comms["fused"].fused.matmul_reduce_scatter(a2, w2)))
+            comms["fused"].fused.check()
+            errs = []
+            for (a, w, a2, w2), (y, o) in zip(jobs, outs):
+                errs.append(compare("ag", y, all_gather_matmul(a, w, comms["none"])[1]))
+                errs.append(compare("rs", o, matmul_reduce_scatter(a2, w2, comms["none"])))
+            return f"{len(errs)} results, worst {max(float(e.split()[1]) for e in errs):.1e}"
+
+        check("fused back-to-back: 12 all-gather + 12 reduce-scatter calls queued", back_to_back)
+
+        def autograd():
+            """ag_linear / linear_rs, forward and backward, fused against none."""
+            M, K, N = 4096, 2048, 5632
+            m, nl = M // W, N // W
+            x, w1, w2 = rand(m, K), rand(nl, K, scale=K ** -0.5), rand(K, nl, scale=N ** -0.5)
+            dy = rand(m, K)
+            res = {}
+            for mode in ("none", "fused"):
+                xs, w1s, w2s = (t.clone().requires_grad_() for t in (x, w1, w2))
+                y = linear_rs(torch.nn.functional.silu(ag_linear(xs, w1s, comms[mode])), w2s, comms[mode])
+                y.backward(dy)
+                res[mode] = (y, xs.grad, w1s.grad, w2s.grad)
+            comms["fused"].fused.check()
+            names = ("y", "dx", "dw1", "dw2")
+            return " ".join(compare(n, a, b, 2e-2) for n, a, b in zip(names, res["fused"], res["none"]))
+
+        check("fused autograd (column -> silu -> row, forward and backward)", autograd)
+
+    def model():
+        """A small Llama with TP=2: loss and gradients of every tp_overlap mode against 'none'."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from holotrain.model import Llama, LlamaArgs
+        from holotrain.parallel.tp import apply_tp
+
+        args = LlamaArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=2816, vocab_size=32000,
+                         max_seq_len=1024)
+        mesh = init_device_mesh("cuda", (W,), mesh_dim_names=("tp",))
+        tokens = torch.randint(0, 32000, (4, 1024), device=device, generator=gen)
+        dist.broadcast(tokens, 0)  # a tensor-parallel group shares its batch
+        out, res = [], {}
+        for mode in [m for m in ("none", "async_tp", "fused") if m in comms]:
+            with torch.device("meta"):
+                model = Llama(args)
+            apply_tp(model, mesh, mode)
+            model.to_empty(device=device)
+            model.init_weights(seed=seed)
+            model.to(torch.bfloat16)
+            loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+            loss.backward()
+            grads = {n: p.grad.to_local().float() for n, p in model.named_parameters()}
+            res[mode] = (loss.detach().float(), grads)
+            if mode != "none":
+                ref_loss, ref_grads = res["none"]
+                if abs(loss.item() - ref_loss.item()) > 2e-2 * abs(ref_loss.item()):
+                    raise AssertionError(f"{mode}: loss {loss.item()} vs none {ref_loss.item()}")
+                worst = max((ref_grads[n] - g).norm().item() / max(ref_grads[n].norm().item(), 1e-30)
+                            for n, g in grads.items())
+                if worst > 5e-2:
+                    raise AssertionError(f"{mode}: a gradient differs from none's by {worst:.2e} (relative)")
+                out.append(f"{mode}: loss {loss.item():.4f} (none {ref_loss.item():.4f}), worst grad rel {worst:.1e}")
+        return "; ".join(out)
+
+    check("TP=2 Llama, every tp_overlap mode against none", model)
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    failed = torch.tensor([len(FAILED)], device=device)
+    dist.all_reduce(failed)
+    log(f"GPU TP CHECKS: {'ALL PASSED' if failed.item() == 0 else f'{failed.item()} FAILED (over ranks)'}")
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
+    sys.exit(1 if failed.item() else 0)
+
+
+if __name__ == "__main__":
+    main()

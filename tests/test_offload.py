@@ -1,0 +1,325 @@
+"""memory.offload (ZeRO-Offload engine), the memory plan's fit check, and activation checkpointing policies.
+
+On the CPU the engine runs its full control flow (hooks, worker thread, speculation, rollback, checkpoints)
+with fp32 working weights, so offloaded training must reproduce plain training within fp32 rounding.
+"""
+
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from holotrain.train.checkpoint import SafeFileSystemReader, latest_checkpoint
+from tests.conftest import REPO, read_metrics, run_cli, tiny_args
+from tests.test_distributed import torchrun
+
+STEPS = 20
+# Clipping at 1.0 (the default) and gradient accumulation (micro-batch 2 of 8: 4 micro-batches per step).
+COMMON = {"training.steps": STEPS, "training.micro_batch_size": 2, "checkpoint.every": 2}
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("plain")
+    run_cli("train", *tiny_args(run_dir, **COMMON))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def offload_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("offload")
+    run_cli("train", *tiny_args(run_dir, **COMMON, **{"memory.offload": True}))
+    return run_dir
+
+
+def curve(run_dir):
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(run_dir)]
+
+
+def test_offloaded_training_matches_plain_training(plain_run, offload_run):
+    plain, off = read_metrics(plain_run), read_metrics(offload_run)
+    assert [r["step"] for r in off] == list(range(1, STEPS + 1))
+    assert any(r["grad_norm"] > 1.0 for r in plain)  # clipping is active in this run
+    for a, b in zip(plain, off):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a["step"], a["loss"], b["loss"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    for key in ("time.offload_wait", "offload.cpu_step_s", "offload.land_s", "offload.d2h_s", "offload.h2d_s",
+                "offload.rollbacks", "offload.speculated"):
+        assert key in off[-1], key
+    assert off[-1]["offload.cpu_step_s"] >= 0 and off[-1]["time.offload_wait"] >= 0
+
+
+def test_offload_resume_after_sigkill_is_exact(offload_run, tmp_path):
+    run_dir = tmp_path / "killed"
+    args = ["train", *tiny_args(run_dir, **COMMON, **{"memory.offload": True})]
+    kill_after = random.Random().randint(3, STEPS - 4)
+    proc = subprocess.Popen([sys.executable, "-m", "holotrain.cli", *args], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"run ended before the kill at step {kill_after}"
+    killed_at = len(read_metrics(run_dir))
+    run_cli(*args)
+    assert curve(run_dir) == curve(offload_run), f"killed after step {killed_at}"
+
+
+@pytest.mark.slow
+def test_two_process_sharded_states_match_one_process(offload_run, tmp_path):
+    two = tmp_path / "two"
+    torchrun(2, "train", *tiny_args(two, **COMMON, **{"memory.offload": True}))
+    a, b = read_metrics(offload_run), read_metrics(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], abs=2e-4), (ra, rb)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3)
+    # Each rank saved its half of every offloaded moment, under the parameter's global shape.
+    meta = SafeFileSystemReader(latest_checkpoint(two)).read_metadata().state_dict_metadata
+    moment = meta["offload.state.layers.0.attention.wq.weight.exp_avg"]
+    assert list(moment.size) == [64, 64] and sorted(c.sizes[0] for c in moment.chunks) == [32, 32]
+
+
+def test_fit_error_names_the_numbers_and_the_keys(tmp_path):
+    proc = run_cli("train", *tiny_args(tmp_path, **{"model.preset": "7b", "model.dim": 4096, "model.n_layers": 32,
+                                                    "model.n_heads": 32, "model.n_kv_heads": 32, "model.ffn_dim": 11008,
+                                                    "model.vocab_size": 32000, "memory.offload": True}), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    msg = proc.stderr
+    for part in ("does not fit", "6.74B parameters", "20 bytes per offloaded parameter", "GB is usable", "host RAM",
+                 "memory.offload_ratio", "memory.check_fit"):
+        assert part in msg, (part, msg)
+
+
+# --------------------------------------------------------------------------------------------
+# In-process: the engine's paths against plain training on the same batches
+
+
+def _setup(offload: bool, clip: float = 1.0, ratio: float = 1.0, layers: int = 2, ac: str = "none"):
+    from holotrain.config import load_config, resolve
+    from holotrain.parallel import DistEnv
+    from holotrain.train.trainer import TrainStep, build_model, build_optimizer
+
+    cfg = resolve(load_config(None, [
+        "--model.dim=64", f"--model.n_layers={layers}", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.ffn_dim=176", "--data.seq_len=16", f"--training.grad_clip={clip}", f"--memory.offload={offload}",
+        f"--memory.offload_ratio={ratio}", f"--memory.activation_checkpointing={ac}",
+    ]), tokenizer_vocab=128)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model = build_model(cfg, env, torch.float32)
+    opt = build_optimizer(model, cfg, env, torch.float32)
+    return model, opt, TrainStep(model, opt, cfg, env, torch.float32)
+
+
+def _batches(n=24):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)) for _ in range(n)]
+
+
+def _train(offload, clip, ratio=1.0, steps=12, accum=2):
+    batches = _batches()
+    model, opt, step = _setup(offload, clip, ratio)
+    out = []
+    for s in range(steps):
+        loss, norm = step(lambda m, s=s: batches[(s * accum + m) % len(batches)], accum, 3e-3 * min(1.0, (s + 1) / 3))
+        out.append((loss.item(), norm.item()))
+    stats = None
+    if offload:
+        opt.synchronize()
+        stats = opt.metrics(steps)
+        weights = {n: w for n, w in opt.checkpoint_state()["model"].items()}
+        opt.close()
+    else:
+        weights = model.state_dict()
+    return out, {k: v.detach().clone() for k, v in weights.items()}, stats
+
+
+@pytest.mark.parametrize("clip,path", [(100.0, "speculated"), (0.3, "deferred"), (1.7, "mixed")])
+def test_speculation_rollback_and_deferred_update_match_plain(clip, path):
+    """Never clipped: every step speculates and is kept. Always clipped: after the first (rolled-back) step the
+    engine waits for the norm. Around the threshold: mispredictions roll back and redo."""
+    ref, ref_w, _ = _train(False, clip)
+    got, got_w, stats = _train(True, clip)
+    for (l1, n1), (l2, n2) in zip(ref, got):
+        assert l2 == pytest.approx(l1, abs=1e-5) and n2 == pytest.approx(n1, rel=1e-5)
+    for k, v in ref_w.items():
+        assert torch.allclose(got_w[k], v, atol=1e-5, rtol=1e-5), k
+    norms = [n for _, n in ref]
+    speculated, rollbacks = stats["offload.speculated"], stats["offload.rollbacks"]
+    if path == "speculated":
+        assert speculated == 1.0 and rollbacks == 0
+    elif path == "deferred":  # only the first step speculates (nothing is known yet), and is rolled back
+        assert all(n > clip for n in norms) and speculated == pytest.approx(1 / len(norms)) and rollbacks > 0
+    else:
+        assert any(n > clip for n in norms) and any(n <= clip for n in norms), norms
+        assert 0 < speculated < 1 and rollbacks > 0
+
+
+def test_offload_ratio_keeps_the_first_units_on_the_device():
+    from holotrain.memory.plan import model_units
+
+    model, opt, _ = _setup(True, ratio=0.5, layers=4)
+    units = [u.name for u in model_units(model)]
+    offloaded = [b.name for b in opt.buckets]
+    assert offloaded == units[len(units) - len(offloaded):]  # a suffix, in forward order
+    n_cpu = sum(b.numel for b in opt.buckets)
+    n_all = sum(p.numel() for p in model.parameters())
+    assert 0.3 < n_cpu / n_all < 0.7
+    on_device = {id(p) for g in opt.device_optimizer.param_groups for p in g["params"]}
+    assert all(id(p) not in on_device for b in opt.buckets for p in b.params)
+    assert len(on_device) + sum(len(b.params) for b in opt.buckets) == len(list(model.parameters()))
+    opt.close()
+    ref, _, _ = _train(False, 1.0)
+    got, _, _ = _train(True, 1.0, ratio=0.5)
+    for (l1, n1), (l2, n2) in zip(ref, got):
+        assert l2 == pytest.approx(l1, abs=1e-5) and n2 == pytest.approx(n1, rel=1e-5)
+
+
+def test_non_finite_gradient_skips_the_offloaded_step():
+    model, opt, step = _setup(True, clip=1.0)
+    batch = _batches(1)[0]
+    step(lambda m: batch, 1, 1e-2)  # one real step, so the skipped one has moments to keep
+    opt.synchronize()
+    before = {k: v.clone() for k, v in opt.checkpoint_state()["model"].items()}
+    moments = [b.exp_avg.clone() for b in opt.buckets]
+    count = opt.step_count
+    model.output.weight.register_hook(lambda g: g * float("inf"))
+    _, norm = step(lambda m: batch, 1, 1e-2)
+    opt.synchronize()
+    assert not torch.isfinite(norm) and opt.step_count == count
+    after = opt.checkpoint_state()["model"]
+    for k, v in before.items():
+        assert torch.allclose(after[k], v, atol=1e-6, rtol=1e-6), k  # rolled back to within fp32 rounding
+    for b, m in zip(opt.buckets, moments):
+        assert torch.allclose(b.exp_avg, m, atol=1e-7, rtol=1e-5)
+    opt.close()
+
+
+def test_working_weights_follow_the_masters():
+    _, opt, step = _setup(True)
+    batches = _batches(4)
+    for s in range(3):
+        step(lambda m, s=s: batches[s], 1, 1e-2)
+    opt.synchronize()
+    for b in opt.buckets:
+        for i, p in enumerate(b.params):
+            assert torch.equal(p.detach(), b.view(b.master, i))
+    opt.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Activation checkpointing policies
+
+
+def test_activation_checkpointing_policies_save_memory_and_keep_gradients():
+    def saved_bytes_and_grads(policy):
+        model, _, _ = _setup(False, layers=4, ac=policy)
+        tokens, targets = _batches(1)[0]
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens, targets)
+        loss.backward()
+        return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    none, g_none = saved_bytes_and_grads("none")
+    selective, g_sel = saved_bytes_and_grads("selective")
+    full, g_full = saved_bytes_and_grads("full")
+    assert full < selective < none
+    assert selective < 0.75 * none and full < 0.5 * none
+    for grads in (g_sel, g_full):
+        assert [k.replace("._checkpoint_wrapped_module", "") for k in grads] == list(g_none)
+        for a, b in zip(g_none.values(), grads.values()):
+            assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
+    from holotrain.config import ConfigError, load_config, resolve
+
+    def policy(*overrides, path=None):
+        return resolve(load_config(path, list(overrides)), tokenizer_vocab=300).memory.activation_checkpointing
+
+    assert policy() == "none"
+    assert policy("--memory.activation_checkpointing") == "full"  # a bare flag meant true
+    assert policy("--memory.activation_checkpointing=false") == "none"
+    assert policy("--memory.activation_checkpointing=selective") == "selective"
+    toml = tmp_path / "old.toml"
+    toml.write_text("[memory]\nactivation_checkpointing = true\n")
+    assert policy(path=toml) == "full"
+    with pytest.raises(ConfigError, match="none, full or selective"):
+        policy("--memory.activation_checkpointing=most")
+    with pytest.raises(ConfigError, match=r"memory.offload_ratio must be in \[0, 1\]"):
+        policy("--memory.offload_ratio=1.5")
+
+
+def test_plan_numbers_for_a_7b_on_a_24_gib_gpu():
+    """The fit check's arithmetic with given capacities (no GPU needed): 7B offloaded to a 24 GiB GPU."""
+    from holotrain.config import load_config, resolve
+    from holotrain.memory.plan import check_fit, plan_memory
+    from holotrain.model import Llama
+    from holotrain.train import model_args
+
+    def cfg_with(*extra):
+        return resolve(load_config(None, ["--model.preset=7b", "--data.seq_len=2048", "--training.batch_size=8",
+                                          *extra]), tokenizer_vocab=32000)
+
+    cuda, gib = torch.device("cuda"), 2**30
+    cfg = cfg_with("--memory.offload=true", "--memory.activation_checkpointing=full")
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    plan = plan_memory(model, cfg, 1, cuda, 4, 2, gpu_capacity=24 * gib, host_capacity=140e9)
+    assert plan.n_offloaded > 6.7e9 and plan.gpu_fits and plan.host_fits
+    assert plan.host_bytes_per_param == 18  # master 4 + moments 8 + bf16 staging 2 + fp32 accumulator 4
+    assert plan.gpu["working weights of offloaded parameters"] == pytest.approx(2 * plan.n_offloaded)
+    # Without offload the same model needs 16 bytes per parameter on the GPU: refused, offload suggested.
+    plain = cfg_with("--memory.activation_checkpointing=full")
+    with pytest.raises(Exception, match="memory.offload = true") as err:
+        check_fit(model, plain, 1, cuda, 4, 2, gpu_capacity=24 * gib, host_capacity=140e9)
+    assert "GPU: needs 1" in str(err.value) and "GB" in str(err.value)
+    # 6.74B x 18 bytes = 121 GB of host RAM (+ upload buffers): refused at 100 GB, with the per-parameter bytes.
+    with pytest.raises(Exception, match="Host: needs 122") as err:
+        check_fit(model, cfg, 1, cuda, 4, 2, gpu_capacity=24 * gib, host_capacity=100e9)
+    assert "18 bytes per offloaded parameter: fp32 master 4 + AdamW moments 8" in str(err.value)
+    assert "14.3 GB pinned" in str(err.value) and "RLIMIT_MEMLOCK" in str(err.value)
+    print(err.value)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_offload_trains_like_plain_bf16_in_less_memory(tmp_path):
+    """bf16 working weights on the GPU, the optimizer on the host: the same curve (bf16 tolerance), a fraction of
+    the GPU memory for a model whose memory is mostly parameters, and a resume that continues it."""
+    plain, off, resumed = tmp_path / "plain", tmp_path / "off", tmp_path / "resumed"
+    common = {"job.device": "cuda", "training.steps": 20, "training.micro_batch_size": 4, "checkpoint.every": 10,
+              "model.dim": 1024, "model.n_layers": 4, "model.n_heads": 8, "model.n_kv_heads": 8, "model.ffn_dim": 2816}
+    offload = {**common, "memory.offload": True, "memory.offload_ratio": 0.8}
+    run_cli("train", *tiny_args(plain, **common))
+    run_cli("train", *tiny_args(off, **offload))
+    a, b = read_metrics(plain), read_metrics(off)
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], abs=3e-2), (ra["step"], ra["loss"], rb["loss"])
+    assert b[-1]["offload.d2h_s"] > 0 and b[-1]["offload.h2d_s"] > 0
+    assert b[-1]["mem.peak_gb"] < 0.5 * a[-1]["mem.peak_gb"], (a[-1]["mem.peak_gb"], b[-1]["mem.peak_gb"])
+    run_cli("train", *tiny_args(resumed, **offload), env={"HOLOTRAIN_KILL_DURING_SAVE": "20"}, check=False)
+    run_cli("train", *tiny_args(resumed, **offload))
+    c = read_metrics(resumed)
+    assert [r["step"] for r in c] == list(range(1, 21))
+    for rb, rc in zip(b, c):
+        assert rc["loss"] == pytest.approx(rb["loss"], abs=3e-2)
