@@ -45,3 +45,23 @@ def test_traced_steps_report_and_metrics(tmp_path):
         assert row["energy.joules"] is None and row["hw.sm_clock_mhz"] is None  # no NVML on a CPU run
         assert row["wall_time"] > 1.7e9
     assert (run / "report.html").is_file(), "every run ends with its report"
+
+
+def test_nested_phases_are_reported_under_their_parent():
+    import time
+
+    import torch
+
+    from holotrain.profile import PhaseClock
+    from holotrain.profile.report import _top_level
+
+    clock = PhaseClock(torch.device("cpu"))
+    with clock.phase("forward"):
+        with clock.phase("offload_wait"):
+            time.sleep(0.01)
+    with clock.phase("offload_wait"):
+        time.sleep(0.01)
+    times = clock.collect(1)
+    assert set(times) == {"time.forward", "time.forward.offload_wait", "time.offload_wait"}
+    assert times["time.forward"] >= times["time.forward.offload_wait"] >= 0.01
+    assert _top_level(sorted(times)) == ["time.forward", "time.offload_wait"]

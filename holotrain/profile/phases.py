@@ -19,20 +19,29 @@ class PhaseClock:
         self.cuda = device.type == "cuda"
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._seconds: dict[str, float] = defaultdict(float)
+        self._open: list[str] = []  # names of the phases now open, outermost first
 
     @contextlib.contextmanager
     def phase(self, name: str, stream: torch.cuda.Stream | None = None):
-        """Times the enclosed work; `stream` times work queued on a side stream (offload copies, communication)."""
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            yield
-            end.record(stream)
-            self._pending.append((name, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._seconds[name] += time.perf_counter() - t0
+        """Times the enclosed work; `stream` times work queued on a side stream (offload copies, communication).
+
+        A phase opened inside another is reported under both names (`time.forward.offload_wait`): it is part of
+        its parent's time, so a breakdown stacks only the top-level phases."""
+        name = ".".join(self._open + [name])
+        self._open.append(name.rsplit(".", 1)[-1])
+        try:
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                yield
+                end.record(stream)
+                self._pending.append((name, start, end))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self._seconds[name] += time.perf_counter() - t0
+        finally:
+            self._open.pop()
 
     def add(self, name: str, seconds: float) -> None:
         """A host-side duration measured elsewhere (e.g. waiting for data)."""

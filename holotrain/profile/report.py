@@ -413,6 +413,11 @@ def _phase_keys(rows: list[dict]) -> list[str]:
     return known + [k for k in seen if k not in known]
 
 
+def _top_level(phase_keys: list[str]) -> list[str]:
+    """Phases that add up to the step; `time.forward.offload_wait` is part of `time.forward`, not beside it."""
+    return [k for k in phase_keys if "." not in k[len("time."):]]
+
+
 def _steady(rows: list[dict]) -> list[dict]:
     """Logged steps after the first (which carries start-up: compilation, tokenizer, data plane warm-up)."""
     return rows[1:] if len(rows) >= 3 else rows
@@ -609,15 +614,16 @@ def write_report(run_dir) -> Path:
 
     # -- phases
     phase_keys = _phase_keys(rows)
-    if phase_keys:
+    stacked = _top_level(phase_keys)
+    if stacked:
         layers = []
-        for i, k in enumerate(phase_keys):
+        for i, k in enumerate(stacked):
             p = k[len("time."):]
             layers.append((p, [_num(r.get(k)) for r in rows], PHASE_COLORS.get(p, PALETTE[(i + 4) % len(PALETTE)])))
         other = []
         for r in rows:
             s = _num(r.get("step_s"))
-            other.append(None if s is None else max(0.0, s - sum(_num(r.get(k)) or 0.0 for k in phase_keys)))
+            other.append(None if s is None else max(0.0, s - sum(_num(r.get(k)) or 0.0 for k in stacked)))
         if any(v for v in other):
             layers.append(("other", other, OTHER_COLOR))
         chart = _stacked_bars([r["step"] for r in rows], layers, chart_id="chart-phases",
@@ -797,11 +803,13 @@ def _sinks(steady, nsteps, phase_keys, step_s, mfu, analysis) -> str:
     for k in phase_keys:
         v = _weighted_mean((r.get(k), nsteps[id(r)]) for r in steady)
         if v is not None:
-            p = k[len("time."):]
-            items.append((p.replace("_", " "), v, _lever_for(p, mfu)))
-    if step_s is not None and phase_keys:
+            *parent, p = k[len("time."):].split(".")
+            label = p.replace("_", " ") + (f" (inside {parent[-1]})" if parent else "")
+            items.append((label, v, _lever_for(p, mfu)))
+    stacked = _top_level(phase_keys)
+    if step_s is not None and stacked:
         other = _weighted_mean(
-            (max(0.0, _num(r.get("step_s")) - sum(_num(r.get(k)) or 0.0 for k in phase_keys)), nsteps[id(r)])
+            (max(0.0, _num(r.get("step_s")) - sum(_num(r.get(k)) or 0.0 for k in stacked)), nsteps[id(r)])
             for r in steady if _num(r.get("step_s")) is not None
         )
         if other is not None:
