@@ -1,43 +1,68 @@
 #!/usr/bin/env bash
 # Tensor parallelism with fused compute/communication on the 2-GPU machine (nvidia-h200-x2), in one go:
-#   1. the GPU kernel tests (tests/gpu_tp_worker.py: fused and async-TP ops against NCCL + cuBLAS, TP=2 Llama)
-#   2. bench/overlap.py --part kernels (the AG+GEMM / GEMM+RS table, the fused tiles tried, efficiency, vs async-TP)
-#   3. bench/overlap.py --part e2e (1.4b TP=2 tokens/s for tp_overlap none / async_tp / fused)
+#   1. the GPU kernel tests (tests/gpu_tp_worker.py), in three processes so that a lost CUDA context or a hang
+#      ends only its own group: basic (symmetric-memory self-test stress, Triton GEMM alone, M=8192 and an odd
+#      shape, queued calls, autograd), large (M=16384 and K=8192 shapes), model (TP=2 Llama in every mode).
+#      Every case prints RUN before it starts and PASS / FAIL after, the ranks agreeing on the outcome; a failure
+#      prints each failing rank's error and every rank's DIAG line (fused state: calls, workspaces, counters, error
+#      word), and the fused workspaces are rebuilt before the next case.
+#   2. bench/overlap.py --part kernels (the AG+GEMM / GEMM+RS table with the e2e model's op shapes, fused tiles
+#      tried, efficiency, vs async-TP)
+#   3. bench/overlap.py --part e2e (1.4b TP=2 tokens/s and host enqueue time for tp_overlap none / async_tp / fused,
+#      one profiled step per mode)
 # Each step under its own timeout, logging into OUT_DIR; a step that fails or hangs does not stop the next one.
-# Budget: about 4-5 minutes; at most 7.6 (the timeouts: 170 + 170 + what is left of 450 s, at most 130). Usage (repo root): bash bench/gpu_tp.sh OUT_DIR
+# Short waits: ranks out of step fail within seconds (symmetric-memory barrier 20 s instead of 120 s, spin loops
+# 2^25 polls instead of 2^26), and a test case that hangs is ended after HOLOTRAIN_TEST_CASE_S.
+# Budget: about 6 minutes; at most ~9.3 (timeouts 100 + 80 + 60 + 170, e2e what is left of 560 s, 60..150).
+# Usage (repo root): bash bench/gpu_tp.sh OUT_DIR
 set -uo pipefail
 out=${1:?output directory}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/holotrain-triton-cache}
+export HOLOTRAIN_TP_BARRIER_MS=${HOLOTRAIN_TP_BARRIER_MS:-20000} HOLOTRAIN_TP_SPIN_LIMIT=${HOLOTRAIN_TP_SPIN_LIMIT:-33554432}
 run="python3 -m torch.distributed.run --standalone --nproc_per_node=2"
 t0=$(date +%s)
 step() { echo "== $1: rc=$2, $(( $(date +%s) - $3 )) s (total $(( $(date +%s) - t0 )) s)"; }
+errors() {  # the lines that say what went wrong, outside the per-case lines
+  grep -E "\[FATAL\]|Error|error:|Timeout \(|Fatal Python|Traceback|Signal|exitcode" "$1" | grep -vE "^\[rank [0-9]\] (PASS|RUN|FAIL|DIAG)" \
+    | sed -E 's/pid [0-9]+/pid N/; s/^\[rank[0-9]\]:/[rankN]:/' | sort | uniq -c | sort -rn | head -${2:-10} | cut -c1-300
+}
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv; nvidia-smi topo -m;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } > "$out/machine.txt" 2>&1
-head -4 "$out/machine.txt"
+head -4 "$out/machine.txt"; tail -1 "$out/machine.txt"
+
+tests() {  # group, timeout (s), per-case watchdog (s)
+  local g=$1 t=$2 c=$3 s log="$out/gpu_tests_$1.log"
+  s=$(date +%s)
+  HOLOTRAIN_TEST_CASE_S=$c timeout "$t" $run tests/gpu_tp_worker.py --groups "$g" > "$log" 2>&1
+  step "GPU tests, group $g (log gpu_tests_$g.log)" $? "$s"
+  grep -E "^\[rank [0-9]\] (PASS|FAIL|DIAG|GPU TP CHECKS|torch|triton)" "$log" | cut -c1-600
+  grep -q "GPU TP CHECKS" "$log" || echo "   (ended early; last case started: $(grep -E '^\[rank 0\] RUN' "$log" | tail -1 | cut -c1-200))"
+  errors "$log" 8
+}
+tests basic 100 45
+tests large 80 45
+tests model 60 45
 
 s=$(date +%s)
-HOLOTRAIN_TEST_WATCHDOG_S=160 timeout 170 $run tests/gpu_tp_worker.py > "$out/gpu_tests.log" 2>&1
-step "GPU tests (tests/gpu_tp_worker.py, log gpu_tests.log)" $? $s
-grep -E "^\[rank [0-9]\] (PASS|FAIL|GPU TP CHECKS|torch|triton)" "$out/gpu_tests.log" | cut -c1-220
-grep -E "Error|error:|Traceback" "$out/gpu_tests.log" | grep -v "^\[rank" | sort | uniq -c | head -10
-
-s=$(date +%s)
-timeout 170 $run bench/overlap.py --part kernels --watchdog 160 --out "$out/kernels.json" > "$out/kernels.log" 2>&1
-step "kernel benchmark (bench/overlap.py --part kernels, log kernels.log)" $? $s
+timeout 170 $run bench/overlap.py --part kernels --tune-budget 60 --watchdog 160 --out "$out/kernels.json" \
+  > "$out/kernels.log" 2>&1
+step "kernel benchmark (bench/overlap.py --part kernels, log kernels.log)" $? "$s"
 [ -f "$out/kernels.md" ] && cat "$out/kernels.md"
-grep -E "FAILED|Error" "$out/kernels.log" | sort | uniq -c | head -10
+grep -E "^\[rank [0-9]\] DIAG" "$out/kernels.log" | cut -c1-600 | head -6
+errors "$out/kernels.log" 10
 best=$(python3 -c "import json; print(json.load(open('$out/kernels.json')).get('best_tiles', ''))" 2>/dev/null)
 
 s=$(date +%s)
-left=$(( 450 - ($(date +%s) - t0) )); [ $left -gt 130 ] && left=130; [ $left -lt 40 ] && left=40
+left=$(( 560 - ($(date +%s) - t0) )); [ $left -gt 150 ] && left=150; [ $left -lt 60 ] && left=60
 timeout $left $run bench/overlap.py --part e2e --e2e-tiles "$best" --watchdog $(( left - 10 )) \
   --out "$out/e2e.json" > "$out/e2e.log" 2>&1
-step "end to end (bench/overlap.py --part e2e, log e2e.log, tiles '$best')" $? $s
+step "end to end (bench/overlap.py --part e2e, log e2e.log, tiles '$best')" $? "$s"
 [ -f "$out/e2e.md" ] && cat "$out/e2e.md"
-grep -E "FAILED|Error" "$out/e2e.log" | sort | uniq -c | head -10
-echo "== done in $(( $(date +%s) - t0 )) s; results in $out (kernels.json/.md, e2e.json/.md, logs)"
+grep -E "^\[rank [0-9]\] DIAG" "$out/e2e.log" | cut -c1-600 | head -6
+errors "$out/e2e.log" 10
+echo "== done in $(( $(date +%s) - t0 )) s; results in $out (gpu_tests_*.log, kernels.json/.md/.log, e2e.json/.md/.log)"

@@ -11,8 +11,14 @@ after warm-up, the median, the slower rank's. Overlap efficiency = (sequential -
 async-TP at M=16384, K=8192, N=14336, both directions. First a few tile configurations of the fused kernels are tried
 on that shape (--tiles); the best serves every shape and the end-to-end runs.
 
+Then the same table for the TP ops of the end-to-end model (1.4b, TP=2, 16384 tokens: QKV and gate/up all-gather +
+GEMM, wo and w2 GEMM + reduce-scatter, forward and the backward's input-gradient ops), labelled by op: whether a
+mode's op is slower in isolation or only inside the model.
+
 End to end (--part e2e): the 1.4b preset (T=2048, B=8, bf16, AdamW) with TP=2 on the 2 GPUs (FSDP2 over dp=1),
-holotrain's TrainStep on synthetic batches, tokens/s per parallel.tp_overlap mode.
+holotrain's TrainStep on synthetic batches, tokens/s per parallel.tp_overlap mode; also the host's time to enqueue a
+step (host_ms; close to step_ms: host-bound, or a synchronization inside the step) and, with --e2e-profile, one
+profiled step's top GPU kernels per mode.
 
   torchrun --standalone --nproc_per_node=2 bench/overlap.py --part kernels --out OUT/kernels.json
   torchrun --standalone --nproc_per_node=2 bench/overlap.py --part e2e --tiles BEST --out OUT/e2e.json
@@ -42,6 +48,13 @@ from holotrain.parallel.overlap import TPComm, all_gather_matmul, matmul_reduce_
 
 SHAPES = [(8192, 4096, 14336), (8192, 8192, 14336), (16384, 4096, 14336), (16384, 8192, 14336)]
 LARGE = (16384, 8192, 14336)
+# (direction, M, K, N, op) of the 1.4b TP=2 step (dim 2048, ffn 5632, 16 heads, B*T = 16384), in kernel_ops' terms:
+# ag: gathered [M, K] @ [K, N/2]; rs: [M, N/2] @ [N/2, K] reduce-scattered to [M/2, K]. The backward's input-gradient
+# ops use the weight as [K, N] ("kn") in the model; here "nk" (cuBLAS takes either without a copy).
+E2E_OPS = [("ag", 16384, 2048, 6144, "qkv fwd"), ("ag", 16384, 2048, 11264, "gate_up fwd"),
+           ("rs", 16384, 2048, 2048, "wo fwd"), ("rs", 16384, 2048, 5632, "w2 fwd"),
+           ("rs", 16384, 2048, 6144, "qkv bwd dx"), ("rs", 16384, 2048, 11264, "gate_up bwd dx"),
+           ("ag", 16384, 2048, 2048, "wo bwd dx"), ("ag", 16384, 2048, 5632, "w2 bwd dx")]
 TILES = ["128x256x64-s3-w8", "128x256x64-s4-w8", "256x128x64-s3-w8", "128x256x128-s2-w8", "128x256x64-s3-w8-x1"]
 
 
@@ -68,17 +81,48 @@ def time_ms(fn, iters: int, warmup: int) -> float:
     return t.item()
 
 
+HOOKS: dict = {}  # "comms": the running part's TPComm per mode (diagnostics); "save": writes the results so far
+
+
+def context_error() -> str | None:
+    """None if this rank's CUDA context still runs kernels, else the (sticky) error."""
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+        return None
+    except Exception as e:
+        text = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
 def attempt(results: dict, key: str, fn):
-    """Runs one measurement; a failure is recorded (and printed) and the benchmark goes on."""
+    """Runs one measurement; a failure is recorded (and printed, with the fused path's state) and the benchmark goes
+    on, unless the CUDA context is lost (a trapped or faulting kernel): then the results so far are saved and the
+    process ends at once, rather than every later measurement failing or hanging until the watchdog."""
     try:
         value = fn()
         results[key] = value
         return value
     except Exception as e:
+        rank = dist.get_rank()
         results[key] = None
         results.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
-        print(f"[rank {dist.get_rank()}] {key} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
-        torch.cuda.synchronize()
+        print(f"[rank {rank}] {key} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
+        dead = context_error()
+        if dead is not None:
+            print(f"[rank {rank}] DIAG {key}: CUDA context lost ({dead}): a kernel trapped (a symmetric-memory "
+                  "barrier timing out: the ranks went out of step) or faulted; ending this part now", flush=True)
+            results["errors"][key] += f" [CUDA context lost on rank {rank}: {dead}]"
+            if "save" in HOOKS:
+                HOOKS["save"]()
+            sys.stdout.flush()
+            os._exit(3)
+        comm = HOOKS.get("comms", {}).get("fused")
+        if comm is not None and comm._fused is not None:
+            try:
+                print(f"[rank {rank}] DIAG {key}: {comm.fused.state()}", flush=True)
+            except Exception as e2:
+                print(f"[rank {rank}] DIAG {key}: fused state unavailable: {e2}", flush=True)
         return None
 
 
@@ -147,19 +191,21 @@ def run_kernels(args, comms, world, result, save):
 
     gen = torch.Generator(device="cuda").manual_seed(1000 + dist.get_rank())
     rows = result.setdefault("rows", [])
-    for M, K, N in SHAPES:
-        for direction in ("ag", "rs"):
-            r = {"direction": direction, "M": M, "K": K, "N": N}
-            a, w = inputs(direction, M, K, N, world, gen)
-            ops = kernel_ops(direction, a, w, comms, world)
-            for name in ("comm", "gemm", "sequential", "async_tp"):
-                if name == "async_tp" and name not in comms:
-                    r[name] = None
-                    continue
-                attempt(r, name, lambda: time_ms(ops[name], args.iters, args.warmup))
-            rows.append(r)
-            log(json.dumps(r))
-            save()
+    cases = [(d, M, K, N, None) for M, K, N in SHAPES for d in ("ag", "rs")] + (E2E_OPS if args.e2e_ops else [])
+    for direction, M, K, N, op in cases:
+        r = {"direction": direction, "M": M, "K": K, "N": N}
+        if op:
+            r["op"] = op
+        a, w = inputs(direction, M, K, N, world, gen)
+        ops = kernel_ops(direction, a, w, comms, world)
+        for name in ("comm", "gemm", "sequential", "async_tp"):
+            if name == "async_tp" and name not in comms:
+                r[name] = None
+                continue
+            attempt(r, name, lambda: time_ms(ops[name], args.iters, args.warmup))
+        rows.append(r)
+        log(json.dumps(r))
+        save()
     gc.collect()
     torch.cuda.empty_cache()
     if "fused" not in comms:
@@ -214,6 +260,60 @@ def run_kernels(args, comms, world, result, save):
         torch.cuda.empty_cache()
 
 
+def profile_step(fn, top: int = 12) -> list:
+    """Runs fn (one training step, on every rank) under the profiler, GPU activity only; this rank's top kernels by
+    GPU time as [name, calls, ms]. A profiler that fails does not stop the step (the ranks must stay in step)."""
+    prof, err = None, None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
+    except Exception as e:
+        prof, err = None, e
+    fn()
+    torch.cuda.synchronize()
+    if prof is None:
+        return [f"profiler failed to start: {type(err).__name__}: {err}"]
+    try:
+        prof.__exit__(None, None, None)
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+            if t:
+                rows.append([e.key[:90], e.count, round(t / 1e3, 3)])
+        rows.sort(key=lambda r: -r[2])
+        total = sum(r[2] for r in rows)
+        return [["(all kernels)", sum(r[1] for r in rows), round(total, 3)]] + rows[:top]
+    except Exception as e:
+        return [f"profiler failed: {type(e).__name__}: {e}"]
+
+
+# async_tp end to end ran at 0.76x of none on the first GPU run (45.7k vs 59.8k tok/s, 1.4b TP=2, eager), though in
+# isolation at the kernel table's shapes it beat NCCL-then-GEMM by 0.1-0.3 ms per op. Read, not yet measured:
+#  - No slow fallback: torch's CUDA kernels of symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter go
+#    straight to the pipelined decomposition (the fallback is test mode only; the native AG path needs
+#    TORCH_SYMM_MEM_ENABLE_NATIVE_ASYNC_TP and 2048 < M <= 4096; multimem needs multicast, which is off).
+#  - Inputs are contiguous (overlap.py makes them so); the weights go in as w.t() views, which cuBLAS takes as a
+#    transposed operand without a copy. dy is made contiguous in both backward functions.
+#  - Copies inherent to torch's decomposition: the all-gather copies the shard into the group's workspace and the
+#    peer's shard out of it, and the local shard once more into A (return_A); the reduce-scatter writes partials
+#    [M, N] and sums them in a separate kernel. Memory traffic of tens of microseconds per op, not ~0.4 ms.
+#  - Hypotheses for the ~85 ms per step (about 200 TP ops per step, so ~0.4 ms per op):
+#    (a) synchronization: each op puts 3 (all-gather) or 4 (reduce-scatter) cross-GPU barriers on the compute stream;
+#        any skew between the ranks, or a host that is late to enqueue, idles both GPUs at every barrier. NCCL
+#        synchronizes once per collective. Check: host_ms against step_ms, and barrier_kernel's share of the
+#        profile (time spent waiting);
+#    (b) host-bound: the decomposition is ~30 Python-level torch calls per op on an eager (uncompiled) model. Check:
+#        host_ms close to step_ms for async_tp but not for none;
+#    (c) the split GEMMs: with 2 ranks every GEMM runs as two halves on two streams that contend for the SMs, and the
+#        e2e GEMMs are small (K = 2048); Check: the kernel table's e2e-op rows (async_tp against sequential at the
+#        model's own shapes);
+#    (d) the none baseline is not naive in backward: its reduce-scatter of dx runs asynchronously behind the weight
+#        gradient GEMM (_AGLinear.backward), while async_tp runs the fused reduce-scatter, then the weight gradient.
+#        Worth at most the reduce-scatters' time (~5-10 ms per step), not the whole gap.
 def run_e2e(args, world, result, save):
     from holotrain.config import MemoryConfig, load_config, resolve
     from holotrain.model import flops_per_token
@@ -240,6 +340,8 @@ def run_e2e(args, world, result, save):
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             model = build_model(cfg, env, torch.bfloat16)
+            tp_comm = getattr(model, "tp_comm", None)  # for attempt()'s diagnostic should this mode fail
+            HOOKS["comms"] = {"fused": tp_comm} if tp_comm is not None and tp_comm.mode == "fused" else {}
             opt = build_optimizer(model, cfg)
             step = TrainStep(model, opt, cfg, env, torch.bfloat16)
             gen = torch.Generator(device="cuda").manual_seed(0)  # the same batches on both ranks (one TP group)
@@ -253,28 +355,35 @@ def run_e2e(args, world, result, save):
             torch.cuda.synchronize()
             warm_s = time.perf_counter() - t0
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(args.e2e_steps + 1)]
+            host = []
             ev[0].record()
             for i in range(args.e2e_steps):
+                h0 = time.perf_counter()
                 losses.append(step(lambda m: batches[i % 2], 1, 3e-4)[0])
+                host.append((time.perf_counter() - h0) * 1e3)  # enqueue time (the step does not synchronize)
                 ev[i + 1].record()
             torch.cuda.synchronize()
             step_ms = statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(args.e2e_steps))
-            t = torch.tensor([step_ms], device="cuda")
+            t = torch.tensor([step_ms, statistics.median(host)], device="cuda")
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            step_ms = t.item()
+            step_ms, host_ms = t.tolist()
+            top = profile_step(lambda s=step: s(lambda m: batches[0], 1, 3e-4)) if args.e2e_profile else None
             tokens = args.batch * args.seq_len
             comm = getattr(model, "tp_comm", None)
             if comm is not None and comm.mode == "fused":
                 comm.fused.check()
-            out = {"tokens_per_s": tokens / step_ms * 1e3, "step_ms": step_ms, "warmup_s": warm_s,
+            out = {"tokens_per_s": tokens / step_ms * 1e3, "step_ms": step_ms, "host_ms": host_ms, "warmup_s": warm_s,
                    "tflops_per_gpu": flops_per_token(a, args.seq_len) * tokens / (step_ms / 1e3) / world / 1e12,
                    "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
                    "losses": [round(float(v), 4) for v in losses]}
+            if top is not None:
+                out["profile_top"] = top
             del model, opt, step
             return out
 
         res = {}
         attempt(res, "run", run)
+        HOOKS["comms"] = {}
         row.update(res.get("run") or {"error": res.get("errors", {}).get("run")})
         rows.append(row)
         log(json.dumps(row))
@@ -301,32 +410,45 @@ def markdown(result) -> str:
             return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
         for r in result["rows"]:
+            what = ("AG+GEMM" if r["direction"] == "ag" else "GEMM+RS") + (f" ({r['op']})" if r.get("op") else "")
             lines.append(
-                f"| {'AG+GEMM' if r['direction'] == 'ag' else 'GEMM+RS'} | {r['M']} | {r['K']} | {r['N']} | "
+                f"| {what} | {r['M']} | {r['K']} | {r['N']} | "
                 f"{f(r.get('comm'))} | {f(r.get('gemm'))} | {f(r.get('triton_gemm'))} | {f(r.get('sequential'))} | "
                 f"{f(r.get('async_tp'))} | {f(r.get('fused'))} | {f(r.get('async_tp_efficiency'), '{:.0%}')} | "
                 f"{f(r.get('fused_efficiency'), '{:.0%}')} | {f(r.get('fused_vs_async_tp'), '{:.2f}x')} |")
         lines.append("")
         for r in result["rows"]:
-            if (r["M"], r["K"], r["N"]) == LARGE:
+            for key, msg in (r.get("errors") or {}).items():
+                lines.append(f"Error, {r['direction']} {r['M']}x{r['K']}x{r['N']} {key}: {msg.splitlines()[0][:300]}")
+        for r in result["rows"]:
+            if (r["M"], r["K"], r["N"]) == LARGE and not r.get("op"):
                 eff, sp = r.get("fused_efficiency"), r.get("fused_vs_async_tp")
                 ok = eff is not None and sp is not None and eff >= 0.9 and sp >= 1.10
                 lines.append(f"Target ({r['direction']}, large shape): efficiency >= 90% and >= 1.10x async-TP: "
                              f"{f(eff, '{:.0%}')}, {f(sp, '{:.2f}x')} -> {'MET' if ok else 'NOT MET'}")
         lines.append("")
+    for t, r in (result.get("tiles") or {}).items():
+        for key, msg in (r.get("errors") or {}).items():
+            lines.append(f"Error, tiles {t} {key}: {msg.splitlines()[0][:300]}")
     if result.get("tiles"):
         lines += ["Tile configurations (large shape, fused ms): " + "; ".join(
             f"{t}: AG {r.get('ag') or '-'} RS {r.get('rs') or '-'} Triton GEMM {r.get('triton_gemm') or '-'}"
             for t, r in result["tiles"].items()), ""]
     if result.get("e2e"):
-        lines += ["| 1.4b TP=2, T=2048, B=8 | tokens/s | step ms | TFLOP/s per GPU | peak GB | vs none |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| 1.4b TP=2, T=2048, B=8 | tokens/s | step ms | host ms | TFLOP/s per GPU | peak GB | vs none |",
+                  "|---|---|---|---|---|---|---|"]
         for r in result["e2e"]:
             if r.get("tokens_per_s"):
-                lines.append(f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
+                host = f"{r['host_ms']:.1f}" if isinstance(r.get("host_ms"), (int, float)) else "-"
+                lines.append(f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {host} | "
                              f"{r['tflops_per_gpu']:.0f} | {r['peak_mem_gb']:.1f} | {r.get('vs_none', 1):.3f} |")
             else:
-                lines.append(f"| {r['mode']} | failed: {r.get('error')} | | | | |")
+                lines.append(f"| {r['mode']} | failed: {r.get('error')} | | | | | |")
+        lines.append("")
+        for r in result["e2e"]:
+            if r.get("profile_top"):
+                lines.append(f"Top GPU kernels, one profiled step, {r['mode']} (rank 0; name, calls, ms): " + "; ".join(
+                    f"{x[0]} x{x[1]} {x[2]}" if isinstance(x, list) else str(x) for x in r["profile_top"]))
         lines.append("")
     return "\n".join(lines)
 
@@ -346,6 +468,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--e2e-steps", type=int, default=8)
     p.add_argument("--e2e-warmup", type=int, default=3)
+    p.add_argument("--e2e-ops", type=int, default=1, help="1: also time the e2e model's TP op shapes (kernels part)")
+    p.add_argument("--e2e-profile", type=int, default=1, help="1: profile one step per e2e mode (top GPU kernels)")
     p.add_argument("--out", default="", help="JSON results (written after every measurement); .md beside it")
     p.add_argument("--watchdog", type=float, default=0, help="dump stacks and exit after this many seconds")
     args = p.parse_args()
@@ -373,6 +497,7 @@ def main() -> None:
             out.write_text(json.dumps(result, indent=1))
             out.with_suffix(".md").write_text(markdown(result))
 
+    HOOKS["save"] = save
     log(f"{result['device']} x{world}, torch {result['torch']}, triton {triton_version}, env {result['env']}")
     parts = args.part.split(",")
     if "kernels" in parts:
@@ -380,6 +505,7 @@ def main() -> None:
         for mode in ("none", "async_tp", "fused"):
             attempt(comms, mode, lambda: TPComm(dist.group.WORLD, mode))
         comms = {k: v for k, v in comms.items() if isinstance(v, TPComm)}
+        HOOKS["comms"] = comms
         run_kernels(args, comms, world, result, save)
         if not args.e2e_tiles:
             args.e2e_tiles = result.get("best_tiles", "")

@@ -1,8 +1,19 @@
-"""Run by tests/test_gpu_tp.py under torchrun on 2 GPUs (NCCL): the fused Triton ops and torch async-TP against
-the unfused bf16 result (NCCL collective + cuBLAS), on fresh random inputs each run, into outputs poisoned with
-NaN. Every check runs even if an earlier one failed; the last line says how many failed.
+"""Run by tests/test_gpu_tp.py (and bench/gpu_tp.sh) under torchrun on 2 GPUs (NCCL): the fused Triton ops and torch
+async-TP against the unfused bf16 result (NCCL collective + cuBLAS), on fresh random inputs each run, into outputs
+poisoned with NaN.
 
-  torchrun --standalone --nproc_per_node=2 tests/gpu_tp_worker.py [--quick]
+Every case runs in step on all ranks and ends with the ranks agreeing on its outcome: "PASS name" only when every
+rank passed; otherwise each failing rank prints its error and traceback, every rank prints a DIAG line (the fused
+path's state: calls, workspaces, counters, error word), rank 0 prints "FAIL name (ranks [...])", and the fused
+workspaces are rebuilt on every rank before the next case (a bad one never poisons the rest). A case that hangs is
+ended by a per-case watchdog (HOLOTRAIN_TEST_CASE_S, stacks dumped); a lost CUDA context (a trapped or faulting
+kernel) ends the process at once with a note, as nothing after it could run. "RUN name" is printed before each
+case, so a log cut short still says where. The last line says how many failed.
+
+  torchrun --standalone --nproc_per_node=2 tests/gpu_tp_worker.py [--quick] [--groups basic,large,model]
+
+Groups: basic (symmetric-memory self-test stress, the Triton GEMM alone, M=8192 and an odd shape, queued calls,
+autograd), large (the M=16384 and K=8192 shapes), model (a TP=2 Llama in every mode). --quick: basic, fewer shapes.
 """
 
 from __future__ import annotations
@@ -22,9 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from holotrain.parallel.overlap import TPComm, ag_linear, all_gather_matmul, linear_rs, matmul_reduce_scatter  # noqa: E402
 
 # (M rows over the group, K, N): the benchmark's shapes and an odd one (no dimension a multiple of a tile).
-SHAPES = [(8192, 4096, 14336), (16384, 4096, 14336), (8192, 8192, 14336), (16384, 8192, 14336), (2000, 1032, 1040)]
+GROUP_SHAPES = {
+    "basic": [(8192, 4096, 14336), (2000, 1032, 1040)],
+    "large": [(16384, 4096, 14336), (8192, 8192, 14336), (16384, 8192, 14336)],
+}
 QUICK = [(8192, 4096, 14336), (2000, 1032, 1040)]
+GROUPS = ("basic", "large", "model")
+CASE_S = float(os.environ.get("HOLOTRAIN_TEST_CASE_S", "90"))
 FAILED: list[str] = []
+PASSED: list[str] = []
+DEVICE = "cuda"  # the agreement's device ("cpu" only for a dry run of this harness over gloo)
+GRAVEYARD: list = []  # fused states replaced after a failure: kept alive (a peer's late work may touch them)
 
 
 def log(msg: str, all_ranks: bool = False) -> None:
@@ -32,15 +51,68 @@ def log(msg: str, all_ranks: bool = False) -> None:
         print(f"[rank {dist.get_rank()}] {msg}", flush=True)
 
 
-def check(name: str, fn) -> None:
+def context_alive() -> str | None:
+    """None if this rank's CUDA context still runs kernels, else the error."""
+    try:
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        torch.ones(1, device=DEVICE).add_(1).item()
+        return None
+    except Exception as e:  # sticky CUDA errors (a trap, an illegal address) land here
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+def fused_state(comms: dict) -> str:
+    comm = comms.get("fused")
+    if comm is None or comm._fused is None:
+        return "fused path not created"
+    try:
+        return comm.fused.state()
+    except Exception as e:
+        return f"state unavailable: {type(e).__name__}: {e}"
+
+
+def check(name: str, fn, comms: dict, fused: bool = True) -> None:
+    """Runs one case on every rank; the ranks agree on its outcome (see the module docstring)."""
+    log(f"RUN {name}")
+    faulthandler.dump_traceback_later(CASE_S, exit=True)
     t0 = time.perf_counter()
+    err, detail = None, None
     try:
         detail = fn()
-        torch.cuda.synchronize()
-        log(f"PASS {name} {detail or ''} ({time.perf_counter() - t0:.1f} s)")
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
     except Exception as e:
-        FAILED.append(name)
-        log(f"FAIL {name}: {type(e).__name__}: {e}\n{traceback.format_exc()}", all_ranks=True)
+        err = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    elapsed = time.perf_counter() - t0
+    dead = context_alive()
+    if dead is not None:
+        log(f"FAIL {name} ({elapsed:.1f} s): {err or 'no exception in the case itself'}", all_ranks=True)
+        log(f"DIAG {name}: CUDA context lost on this rank ({dead}): a kernel trapped (a symmetric-memory barrier "
+            "timing out: the ranks went out of step) or faulted (an illegal address). The cases after this one cannot "
+            "run in this process; ending it.", all_ranks=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
+    flags = torch.tensor([1 if err else 0], device=DEVICE)
+    everyone = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flags)
+    bad = [r for r, f in enumerate(everyone) if f.item()]
+    faulthandler.dump_traceback_later(CASE_S, exit=True)  # re-armed: covers the reference work up to the next case
+    if not bad:
+        PASSED.append(name)
+        log(f"PASS {name} {detail or ''} ({elapsed:.1f} s)")
+        return
+    FAILED.append(name)
+    if err:
+        log(f"FAIL {name} ({elapsed:.1f} s): {err}", all_ranks=True)
+    mem = f"; {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if DEVICE == "cuda" else ""
+    log(f"DIAG {name}: failed on ranks {bad}; {fused_state(comms)}{mem}", all_ranks=True)
+    log(f"FAIL {name} (ranks {bad})")
+    if fused and "fused" in comms:  # every rank together: the next case starts from fresh workspaces
+        GRAVEYARD.append(comms["fused"])
+        comms["fused"] = TPComm(dist.group.WORLD, "fused")
+    dist.barrier()
 
 
 def compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-2) -> str:
@@ -69,18 +141,28 @@ def poisoned(shape, device) -> torch.Tensor:
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    groups = set(GROUPS)
+    if "--groups" in sys.argv:
+        groups = set(sys.argv[sys.argv.index("--groups") + 1].split(","))
+        unknown = groups - set(GROUPS)
+        if unknown:
+            raise SystemExit(f"unknown --groups {sorted(unknown)}; known: {', '.join(GROUPS)}")
+    if quick:
+        groups = {"basic"}
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
     rank, W = dist.get_rank(), dist.get_world_size()
-    faulthandler.dump_traceback_later(float(os.environ.get("HOLOTRAIN_TEST_WATCHDOG_S", "400")), exit=True)
+    faulthandler.dump_traceback_later(CASE_S, exit=True)  # re-armed by every case: a hang anywhere ends the run
     seed = torch.tensor([int.from_bytes(os.urandom(4), "little") if rank == 0 else 0], device=device)
     dist.broadcast(seed, 0)
     seed = int(seed.item())
-    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, world {W}, seed {seed}, "
-        f"TORCH_SYMM_MEM_DISABLE_MULTICAST={os.environ.get('TORCH_SYMM_MEM_DISABLE_MULTICAST')}, "
-        f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+    knobs = {k: os.environ.get(k) for k in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE",
+                                            "HOLOTRAIN_TP_SPIN_LIMIT", "HOLOTRAIN_TP_BARRIER_MS",
+                                            "HOLOTRAIN_TEST_CASE_S")}
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, world {W}, seed {seed}, groups "
+        f"{','.join(g for g in GROUPS if g in groups)}, {knobs}")
     try:
         import triton
 
@@ -100,6 +182,15 @@ def main() -> None:
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale).to(torch.bfloat16)
 
+    def symm_stress():
+        """Fresh symmetric buffers back to back, sizes growing and shrinking, each through its self-test (the
+        first GPU run failed it at random allocations: the self-test's own race)."""
+        from holotrain.parallel.overlap_kernels import _Symm
+
+        sizes = [4096 * (1 + (i * 37) % 16) + 4096 * 256 * (i % 3) for i in range(24)]
+        keep = [_Symm(group, n, device, f"stress buffer {i}") for i, n in enumerate(sizes)]
+        return f"{len(keep)} buffers of {min(sizes)}..{max(sizes)} bytes, every marker read back on every rank"
+
     # The Triton GEMM alone against cuBLAS.
     def gemm_alone():
         from holotrain.parallel.overlap_kernels import triton_matmul
@@ -112,10 +203,11 @@ def main() -> None:
             out.append(compare(f"triton matmul {layout}", triton_matmul(a, w, layout), want))
         return " ".join(out)
 
-    if "fused" in comms:
-        check("triton GEMM alone vs cuBLAS (nk, kn)", gemm_alone)
+    if "fused" in comms and "basic" in groups:
+        check("symmetric-memory self-test x24 (fresh buffers)", symm_stress, comms)
+        check("triton GEMM alone vs cuBLAS (nk, kn)", gemm_alone, comms, fused=False)
 
-    shapes = QUICK if quick else SHAPES
+    shapes = QUICK if quick else [s for g in ("basic", "large") if g in groups for s in GROUP_SHAPES[g]]
     for M, K, N in shapes:
         m, nl = M // W, N // W
         for layout in ("nk", "kn"):
@@ -139,7 +231,7 @@ def main() -> None:
                         raise AssertionError("gathered rows differ from NCCL's all-gather")
                     return compare("all_gather_matmul", y, ref_y)
 
-                check(f"{mode} all_gather_matmul M={M} K={K} N={N} {layout}", ag)
+                check(f"{mode} all_gather_matmul M={M} K={K} N={N} {layout}", ag, comms, fused=mode == "fused")
             # GEMM + reduce-scatter: a [M, N/W] per rank, B [N/W -> K]; output [m, K].
             a = rand(M, nl)
             w = rand(K, nl, scale=N ** -0.5) if layout == "nk" else rand(nl, K, scale=N ** -0.5)
@@ -158,9 +250,11 @@ def main() -> None:
                         out = matmul_reduce_scatter(a, w, comms[mode], layout)
                     return compare("matmul_reduce_scatter", out, ref)
 
-                check(f"{mode} matmul_reduce_scatter M={M} K={K} N={N} {layout}", rs)
+                check(f"{mode} matmul_reduce_scatter M={M} K={K} N={N} {layout}", rs, comms, fused=mode == "fused")
+            del a, w, ref, ref_g, ref_y
+            torch.cuda.empty_cache()
 
-    if "fused" in comms:
+    if "fused" in comms and "basic" in groups:
         def back_to_back():
             """Calls queued without synchronizing (the double-buffered workspaces and cumulative counters)."""
             M, K, N = 4096, 2048, 5632
@@ -179,7 +273,7 @@ def main() -> None:
                 errs.append(compare("rs", o, matmul_reduce_scatter(a2, w2, comms["none"])))
             return f"{len(errs)} results, worst {max(float(e.split()[1]) for e in errs):.1e}"
 
-        check("fused back-to-back: 12 all-gather + 12 reduce-scatter calls queued", back_to_back)
+        check("fused back-to-back: 12 all-gather + 12 reduce-scatter calls queued", back_to_back, comms)
 
         def autograd():
             """ag_linear / linear_rs, forward and backward, fused against none."""
@@ -197,7 +291,7 @@ def main() -> None:
             names = ("y", "dx", "dw1", "dw2")
             return " ".join(compare(n, a, b, 2e-2) for n, a, b in zip(names, res["fused"], res["none"]))
 
-        check("fused autograd (column -> silu -> row, forward and backward)", autograd)
+        check("fused autograd (column -> silu -> row, forward and backward)", autograd, comms)
 
     def model():
         """A small Llama with TP=2: loss and gradients of every tp_overlap mode against 'none'."""
@@ -221,6 +315,8 @@ def main() -> None:
             model.to(torch.bfloat16)
             loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
             loss.backward()
+            if mode == "fused":
+                model.tp_comm.fused.check()
             grads = {n: p.grad.to_local().float() for n, p in model.named_parameters()}
             res[mode] = (loss.detach().float(), grads)
             if mode != "none":
@@ -234,16 +330,19 @@ def main() -> None:
                 out.append(f"{mode}: loss {loss.item():.4f} (none {ref_loss.item():.4f}), worst grad rel {worst:.1e}")
         return "; ".join(out)
 
-    check("TP=2 Llama, every tp_overlap mode against none", model)
+    if "model" in groups:
+        check("TP=2 Llama, every tp_overlap mode against none", model, comms, fused=False)
 
     torch.cuda.synchronize()
     dist.barrier()
-    failed = torch.tensor([len(FAILED)], device=device)
-    dist.all_reduce(failed)
-    log(f"GPU TP CHECKS: {'ALL PASSED' if failed.item() == 0 else f'{failed.item()} FAILED (over ranks)'}")
     faulthandler.cancel_dump_traceback_later()
+    failed = torch.tensor([len(FAILED)], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    n = failed.item()
+    log(f"GPU TP CHECKS: {'ALL PASSED' if n == 0 else f'{n} FAILED'} ({len(PASSED)} passed"
+        f"{': failed ' + ', '.join(FAILED) if FAILED else ''})")
     dist.destroy_process_group()
-    sys.exit(1 if failed.item() else 0)
+    sys.exit(1 if n else 0)
 
 
 if __name__ == "__main__":

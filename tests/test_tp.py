@@ -1,10 +1,14 @@
 """Tensor parallelism on CPU (gloo): the layers against their dense computation, and TP=2 training against TP=1."""
 
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from holotrain.config import ConfigError, load_config, resolve
 from tests.conftest import REPO, read_metrics, run_cli, tiny_args
@@ -78,3 +82,70 @@ def test_fused_kernels_interpreted():
     proc = subprocess.run([sys.executable, "tests/tp_kernels_interpreted.py"], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "INTERPRETED KERNELS OK" in proc.stdout, f"{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
+def _symm_worker(rank: int, world: int, tmp: str, port: int) -> None:
+    """Each rank's "symmetric buffer" is a shared file mapped by every rank (the CPU stand-in for symmetric memory)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from holotrain.parallel import overlap as ov
+
+    group, cpu, nbytes = dist.group.WORLD, torch.device("cpu"), 3 * ov.SYMM_HEADER + 12
+
+    def mapping(owner: int, name: str) -> torch.Tensor:
+        path = os.path.join(tmp, f"{name}{owner}")
+        if owner == rank:
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+    local, other = mapping(rank, "a"), mapping(rank, "b")
+    dist.barrier()
+    views = [mapping(r, "a") for r in range(world)]
+    ov.symm_self_test(group, rank, world, local, views, cpu, "plain")
+    assert not local.any(), "markers left behind"
+
+    # The first GPU run's race: a rank leaves the first barrier late and reads after its peers moved on.
+    barrier = dist.barrier
+
+    def late_barrier(*args, **kwargs):
+        barrier(*args, **kwargs)
+        if rank == 0:
+            time.sleep(0.3)
+
+    dist.barrier = late_barrier
+    try:
+        for _ in range(2):
+            ov.symm_self_test(group, rank, world, local, views, cpu, "rank 0 late")
+    finally:
+        dist.barrier = barrier
+
+    # A broken mapping on rank 1 only: every rank raises, and the message says which rank read what.
+    bad = list(views)
+    if rank == 1:
+        bad[0] = mapping(0, "b")
+    try:
+        ov.symm_self_test(group, rank, world, local, bad, cpu, "broken")
+        raise AssertionError(f"rank {rank}: a broken mapping passed the self-test")
+    except RuntimeError as e:
+        assert "rank 1 read" in str(e) and "(WRONG)" in str(e) and "rank 0 read" in str(e), str(e)
+    dist.barrier()
+
+    ov.agree_symm_size(group, 4096, cpu, "same")
+    with pytest.raises(RuntimeError, match=r"different sizes \[4096, 4097\]"):
+        ov.agree_symm_size(group, 4096 + rank, cpu, "differing")
+    dist.barrier()
+    del other
+    dist.destroy_process_group()
+
+
+def test_symmetric_memory_self_test_protocol(tmp_path):
+    """The fused path's self-test of a new symmetric buffer (overlap.symm_self_test), over gloo with shared files as
+    the buffers: passes with a rank late out of the barrier (the race that failed the first GPU run), and a broken
+    mapping on one rank raises on every rank (no rank goes on alone into an op its peer never reaches)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_symm_worker, args=(2, str(tmp_path), port), nprocs=2, join=True)

@@ -85,6 +85,78 @@ class TPComm:
         return self._fused
 
 
+# ------------------------------------------------------------------------------------------------------
+# Symmetric-memory helpers of the fused path (overlap_kernels.py), here because they need no Triton (the CPU
+# tests run them over gloo on shared-memory files).
+
+SYMM_HEADER = 4096  # bytes at the start of a fused workspace: reduce-scatter counters, self-test marker
+_MARKER = 2048  # byte offset of the self-test's head marker, inside the header
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gather_ints(group: dist.ProcessGroup, values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's `values` (same length on every rank), in rank order. A collective, so also a barrier."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    return torch.stack(rows).cpu().tolist()
+
+
+def agree_symm_size(group: dist.ProcessGroup, nbytes: int, device: torch.device, what: str) -> None:
+    """Before a symmetric allocation: every rank asks for the same size, or every rank raises (a shape that
+    differs between ranks would otherwise map buffers of different sizes, or hang one rank in the rendezvous)."""
+    sizes = [row[0] for row in _gather_ints(group, [nbytes], device)]
+    if len(set(sizes)) != 1:
+        raise RuntimeError(f"fused TP: the ranks asked for {what} buffers of different sizes {sizes} (bytes, in rank "
+                           "order): their operands' shapes differ (raised on every rank)")
+
+
+def symm_self_test(group: dist.ProcessGroup, rank: int, world: int, local: torch.Tensor, views: list[torch.Tensor],
+                   device: torch.device, what: str) -> None:
+    """A new symmetric buffer's check: every rank's markers, at the head (inside the header) and at the tail of
+    its buffer, must read back through every rank's mapping of that buffer (`views[r]`: rank r's buffer as this
+    rank maps it; `local`: this rank's own). Collective; on a mismatch every rank raises the same error, naming
+    what each rank read, so the ranks stay in step.
+
+    The order matters: write own markers; barrier; read everyone's; exchange what was read (an all-gather,
+    which also keeps any rank from clearing its markers while a peer still reads them); clear own markers;
+    barrier (no peer kernel may store into the buffer before the clearing is done). The first GPU run cleared
+    its marker right after reading, with no barrier in between, so a rank that left the barrier later than its
+    peer found the peer's marker already cleared ("markers read [1, 0], expected [1, 2]" on one rank, at a
+    random allocation), raised alone, and left its peer waiting in the op's symmetric-memory barrier until that
+    barrier's timeout trapped the peer's CUDA context ("unspecified launch failure").
+    """
+    nbytes = local.numel()
+    spots = [(_MARKER, 1)]  # (byte offset, marker base): rank r writes base + r there
+    tail = (nbytes // 4 - 1) * 4
+    if tail >= SYMM_HEADER:
+        spots.append((tail, 1 << 16))
+    local[:SYMM_HEADER].zero_()
+    for off, base in spots:
+        local[off:off + 4].view(torch.int32).fill_(base + rank)
+    _sync(device)
+    dist.barrier(group=group)  # every rank's markers are in place
+    seen = torch.cat([v[off:off + 4] for v in views for off, _ in spots]).view(torch.int32).tolist()
+    table = _gather_ints(group, seen, device)  # every rank has read: from here on markers may be cleared
+    expected = [base + r for r in range(world) for _, base in spots]
+    if any(row != expected for row in table):
+        lines = "; ".join(f"rank {q} read {row}" + ("" if row == expected else " (WRONG)")
+                          for q, row in enumerate(table))
+        raise RuntimeError(
+            f"fused TP: symmetric memory self-test failed ({what}, {nbytes} bytes; raised on every rank): markers "
+            f"read through each rank's mappings, head{' and tail' if len(spots) > 1 else ''} per source rank: "
+            f"{lines}; expected {expected}. A wrong value: that rank's view of a peer's buffer does not show what "
+            "the peer wrote there.")
+    for off, _ in spots:
+        local[off:off + 4].zero_()
+    _sync(device)
+    dist.barrier(group=group)
+
+
 def _b(w: torch.Tensor, layout: str) -> torch.Tensor:
     return w.t() if layout == "nk" else w
 

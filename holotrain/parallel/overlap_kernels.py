@@ -25,6 +25,12 @@ GEMM + reduce-scatter (`gemm_rs_kernel`)
 
 Both spin loops give up after `spin_limit` polls and record the failed wait in an error word that
 FusedTP.check() turns into an exception (every 64 calls without synchronizing, or on demand).
+
+Workspaces are symmetric buffers made collectively (_Symm) when an op first needs one, or a bigger one: the ranks
+first agree on the size, then every rank's markers must read back through every rank's mapping
+(overlap.symm_self_test); either check fails on every rank alike, so no rank goes on alone into an op whose
+symmetric-memory barrier would wait for a peer that never comes (that barrier traps after its timeout, and a
+trapped kernel loses the CUDA context: "unspecified launch failure" at the next launch).
 Runs on Hopper-class GPUs with Triton >= 3.4 (host-side TMA descriptors); bf16/fp16 operands, fp32 accumulation.
 """
 
@@ -40,8 +46,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-HEADER = 4096  # bytes at the start of a symmetric buffer: counters (gemm+rs), markers (self-test)
-_MARKER = 2048
+from holotrain.parallel.overlap import SYMM_HEADER, agree_symm_size, symm_self_test
+
+HEADER = SYMM_HEADER  # bytes at the start of a symmetric buffer: counters (gemm+rs), markers (self-test)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -263,12 +270,16 @@ def _check_operands(name: str, a: torch.Tensor, w: torch.Tensor, layout: str) ->
 
 
 class _Symm:
-    """One symmetric buffer of the group: the local tensor, its handle, and every rank's base address."""
+    """One symmetric buffer of the group: the local tensor, its handle, and every rank's base address.
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+    Collective: every rank of the group must make the same _Symm at the same point, with the same size."""
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, what: str = "workspace"):
         import torch.distributed._symmetric_memory as symm_mem
 
+        agree_symm_size(group, nbytes, device, what)  # never map buffers of different sizes
         self.nbytes = nbytes
+        self.what = what
         self.tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         try:
             self.handle = symm_mem.rendezvous(self.tensor, group.group_name)
@@ -284,18 +295,10 @@ class _Symm:
         self.views = [self.handle.get_buffer(r, (nbytes,), torch.uint8, storage_offset=self.offset)
                       for r in range(world)]
         self.bases = torch.tensor([v.data_ptr() for v in self.views], dtype=torch.int64, device=device)
-        # Self-test: every rank's marker must read back through the peers' mappings.
-        self.tensor[:HEADER].zero_()
-        self.tensor[_MARKER:_MARKER + 4].view(torch.int32).fill_(rank + 1)
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
-        seen = [int(v[_MARKER:_MARKER + 4].view(torch.int32).item()) for v in self.views]
-        if seen != [r + 1 for r in range(world)]:
-            raise RuntimeError(f"fused TP: symmetric memory self-test failed on rank {rank}: markers read "
-                               f"{seen}, expected {[r + 1 for r in range(world)]} (offset {self.offset})")
-        self.tensor[_MARKER:_MARKER + 4].zero_()
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
+        symm_self_test(group, rank, world, self.tensor, self.views, device, f"{what}, offset {self.offset}")
+
+    def describe(self) -> str:
+        return f"{self.what} {self.nbytes / 2**20:.1f} MiB at offset {self.offset}"
 
     def view(self, rank: int, offset_bytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = 1
@@ -354,11 +357,31 @@ class FusedTP:
         if ws is None or ws.nbytes < nbytes:
             if ws is not None:
                 self._retired.append(ws)
-            ws = _Symm(self.group, nbytes, self.device)
+            what = "all-gather workspace" if which == "_ag" else "reduce-scatter workspace"
+            ws = _Symm(self.group, nbytes, self.device, what)
             setattr(self, which, ws)
             if which == "_rs":
                 self.rs_expected = 0  # fresh counters
         return ws
+
+    def state(self) -> str:
+        """One line on this rank's fused state, for a failure's diagnostic (reads the device: call it only
+        while the CUDA context is usable)."""
+        parts = [f"rank {self.rank}/{self.world}", f"tiles {self.tiles}", f"ag_calls {self.ag_calls}",
+                 f"rs_calls {self.rs_calls}", f"rs_expected {self.rs_expected}", f"fence {self._fence}",
+                 f"kn_transposed {self._kn_transposed}", f"retired {len(self._retired)}",
+                 f"spin_limit {self.spin_limit}", f"barrier_ms {self.barrier_timeout_ms}"]
+        for ws in (self._ag, self._rs):
+            if ws is not None:
+                parts.append(ws.describe())
+        try:
+            parts.append(f"error word {int(self.error.item())}")
+            if self._rs is not None:
+                counters = self._rs.tensor[:8 * self.world].view(torch.int64).tolist()
+                parts.append(f"rs counters (tiles received per source rank) {counters}")
+        except Exception as e:  # a dead context: say so, do not raise from a diagnostic
+            parts.append(f"device unreadable: {_first_line(e)}")
+        return "; ".join(parts)
 
     # -- errors
 
