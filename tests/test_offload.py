@@ -4,6 +4,7 @@ On the CPU the engine runs its full control flow (hooks, worker thread, speculat
 with fp32 working weights, so offloaded training must reproduce plain training within fp32 rounding.
 """
 
+import itertools
 import random
 import signal
 import subprocess
@@ -47,8 +48,8 @@ def test_offloaded_training_matches_plain_training(plain_run, offload_run):
     for a, b in zip(plain, off):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a["step"], a["loss"], b["loss"])
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-    for key in ("time.offload_wait", "offload.cpu_step_s", "offload.land_s", "offload.d2h_s", "offload.h2d_s",
-                "offload.rollbacks", "offload.speculated"):
+    for key in ("time.offload_wait", "offload.cpu_step_s", "offload.land_s", "offload.copy_wait_s", "offload.d2h_s",
+                "offload.h2d_s", "offload.rollbacks", "offload.speculated"):
         assert key in off[-1], key
     assert off[-1]["offload.cpu_step_s"] >= 0 and off[-1]["time.offload_wait"] >= 0
 
@@ -142,10 +143,18 @@ def _train(offload, clip, ratio=1.0, steps=12, accum=2):
     return out, {k: v.detach().clone() for k, v in weights.items()}, stats
 
 
+@pytest.mark.parametrize("kernel", ["c", "torch"])
 @pytest.mark.parametrize("clip,path", [(100.0, "speculated"), (0.3, "deferred"), (1.7, "mixed")])
-def test_speculation_rollback_and_deferred_update_match_plain(clip, path):
+def test_speculation_rollback_and_deferred_update_match_plain(clip, path, kernel, monkeypatch):
     """Never clipped: every step speculates and is kept. Always clipped: after the first (rolled-back) step the
-    engine waits for the norm. Around the threshold: mispredictions roll back and redo."""
+    engine waits for the norm. Around the threshold: mispredictions roll back and redo. With the compiled CPU
+    loops and with the torch-op fallback (no C compiler)."""
+    from holotrain.memory import offload
+
+    if kernel == "torch":
+        monkeypatch.setattr(offload, "cpu_kernels", lambda: None)
+    elif offload.cpu_kernels() is None:
+        pytest.skip("the compiled CPU loops are unavailable (no C compiler, or HOLOTRAIN_OFFLOAD_KERNEL=torch)")
     ref, ref_w, _ = _train(False, clip)
     got, got_w, stats = _train(True, clip)
     for (l1, n1), (l2, n2) in zip(ref, got):
@@ -161,6 +170,66 @@ def test_speculation_rollback_and_deferred_update_match_plain(clip, path):
     else:
         assert any(n > clip for n in norms) and any(n <= clip for n in norms), norms
         assert 0 < speculated < 1 and rollbacks > 0
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_compiled_cpu_step_matches_torch_ops(grad_dtype, scale):
+    """The compiled one-pass AdamW (bf16 or fp32 gradient, clipped or not, new weights written in bf16 as it goes)
+    and accumulation against torch's fused AdamW and torch ops, on a pool of threads and a ragged length."""
+    from holotrain.memory import offload
+
+    kernels = offload.cpu_kernels()
+    if kernels is None:
+        pytest.skip("the compiled CPU loops are unavailable (no C compiler, or HOLOTRAIN_OFFLOAD_KERNEL=torch)")
+    pool = offload.CpuPool(3)
+    n = 3 * 64 * 1000 + 37
+    slices = pool.slices(n)
+    assert slices[0][0] == 0 and slices[-1][1] == n and all(a[1] == b[0] for a, b in itertools.pairwise(slices))
+    assert all(lo % offload.CpuPool.ALIGN == 0 for lo, _ in slices) and len(slices) == 6
+    gen = torch.Generator().manual_seed(0)
+    master, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(grad_dtype)
+    m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+    hp = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8, "t": 7, "scale": scale}
+    got = [t.clone() for t in (master, m, v)]
+    want = [t.clone() for t in (master, m, v)]
+    out = torch.empty(n, dtype=torch.bfloat16)
+    for _ in range(3):
+        offload.adamw_flat(*got, grad, out, **hp, kernels=kernels, pool=pool)
+        offload.adamw_flat(*want, grad.clone(), None, **hp, kernels=None)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert torch.equal(out, got[0].to(torch.bfloat16))  # torch's round-to-nearest-even
+    acc = torch.randn(n, generator=gen)
+    ref = acc.clone()
+    sq = offload.accumulate_flat(acc, grad, first=False, kernels=kernels, pool=pool)
+    ref += grad.float()
+    assert torch.equal(acc, ref) and sq == pytest.approx(ref.double().square().sum().item(), rel=1e-12)
+    sq = offload.accumulate_flat(acc, grad, first=True, kernels=kernels, pool=pool)
+    assert torch.equal(acc, grad.float()) and sq == pytest.approx(grad.double().square().sum().item(), rel=1e-12)
+    pool.close()
+
+
+def test_worker_updates_landed_buckets_while_copies_are_in_flight():
+    """Backward queues its copies ahead of the GPU: the worker updates a landed bucket rather than wait for a copy
+    still on its way, and waits for that copy only when there is nothing else to do."""
+    from holotrain.memory.offload import FINAL, LANDED, _Step
+
+    _, opt, _ = _setup(True, clip=100.0)
+    opt.close()  # the worker has stopped: its task choice is driven by hand below
+
+    class InFlight:
+        def query(self):
+            return False
+
+    first, last = opt.buckets[0], opt.buckets[-1]
+    step = _Step(lr=1e-3, t=1, landings=1, speculate=True)
+    last.state, last.step = LANDED, step
+    opt._arrivals.append((first, step, 0, InFlight()))
+    assert opt._next_task() == ("update", last)
+    last.state = FINAL
+    assert opt._next_task()[0] == "land"
+    assert opt._next_task() is None
 
 
 def test_offload_ratio_keeps_the_first_units_on_the_device():

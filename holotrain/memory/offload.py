@@ -6,16 +6,24 @@ A step, on one GPU:
 
   backward     A post-accumulate-grad hook counts each offloaded parameter's gradient. When a bucket (one unit
                of holotrain/memory/plan.py: the embedding, one block, or the final norm + output head) has all
-               of its gradients, they are copied on a side stream ("D2H") into the bucket's pinned staging
-               buffer and freed on the GPU, so at most a few buckets' gradients exist on the GPU at a time.
-  CPU worker   One thread (its own intra-op thread pool, `memory.offload_threads`). It *lands* each bucket
-               (waits for its copy, adds micro-batches into an fp32 accumulator, takes its squared norm), then
-               *updates* it with torch's fused CPU AdamW on flat fp32 buffers, in chunks that stay in cache:
-               bf16 gradient -> fp32 scratch, AdamW, fp32 master -> bf16 upload buffer. The upload buffer is
-               copied into the working weights on a second side stream ("H2D").
-  order        Among landed buckets the worker always updates the one the next forward needs first. During
-               backward that is the one that landed last; once backward ends it is the embedding, then block 0,
-               block 1, ..., so the next forward starts as soon as its first bucket is back.
+               of its gradients, the GPU takes their squared norm (one landing per step; microseconds), then they
+               are copied on a side stream ("D2H") into the bucket's pinned staging buffer, the norm after them,
+               and freed on the GPU, so at most a few buckets' gradients exist on the GPU at a time.
+  CPU worker   One thread. It *lands* each bucket (its copy is done: with one landing per step that is all,
+               since the norm came with it; with accumulation it adds the micro-batch into an fp32 accumulator,
+               and at the last one takes the sum's squared norm in the same pass), then *updates* it: AdamW on
+               flat fp32 buffers in one pass that reads the gradient in its own dtype (bf16) and writes the new
+               weights in the working dtype into an upload buffer as it goes. The loops are C compiled once per
+               host (`cpu_kernels`, torch's fused AdamW math), called through ctypes, which releases the GIL, on
+               slices run by a pool of `memory.offload_threads` threads; without a C compiler, torch ops in
+               chunks (three passes). The upload buffer is copied into the working weights on a second side
+               stream ("H2D").
+  order        Landings whose copy is done come first; then, among landed buckets, the update the next forward
+               needs first; a landing still waiting for its copy only when there is nothing else (the host runs
+               ahead of the GPU in backward and queues every copy early: waiting for each in turn would keep the
+               updates until backward ends). During backward the update taken is that of the bucket that landed
+               last; once backward ends it is the embedding, then block 0, block 1, ..., so the next forward
+               starts as soon as its first bucket is back and the buckets left over are those it needs last.
   next forward A forward pre-hook per unit waits until that unit's final weights are uploaded (host wait, then
                the compute stream waits on the upload's CUDA event). The wait is timed as `time.offload_wait`:
                the exposed, non-overlapped part of offloading.
@@ -51,11 +59,19 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import ctypes
 import functools
+import hashlib
+import itertools
 import math
 import os
+import platform
+import queue
+import subprocess
+import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +139,374 @@ def _chunks(n: int):
         yield lo, min(n, lo + CHUNK)
 
 
+# --------------------------------------------------------------------------------------------
+# The CPU step's loops
+
+# One pass over memory per bucket: AdamW reads the gradient in its own dtype (bf16 from the staging buffer) and
+# writes the new weights in the working dtype into the upload buffer as it goes, with torch's fused CPU AdamW
+# math (the same float operations in the same order: bitwise equal to torch._fused_adamw_ where the two compile
+# alike). torch ops would need three passes per chunk (bf16 -> fp32 scratch, AdamW, fp32 -> bf16), each a
+# parallel region forked from the worker thread, which also has to take the GIL back between them. Compiled once
+# per host with the system C compiler and called through ctypes, which releases the GIL for the call; slices of a
+# bucket run on a small thread pool.
+_KERNEL_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN -> quiet NaN, as c10::BFloat16 */
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? (uint16_t)0x7FC0 : r;
+}
+#define LOAD_G16(x, i) bf16_to_f32((x)[i])
+#define LOAD_G32(x, i) ((x)[i])
+#define STORE_O0(o, i, val) (void)(o)
+#define STORE_O16(o, i, val) (o)[i] = f32_to_bf16(val)
+#define STORE_O32(o, i, val) (o)[i] = (val)
+
+/* AdamW: the gradient divided by scale, decoupled weight decay (decay = 1 - lr * wd), exp_avg lerped towards the
+   gradient by w1 = 1 - beta1 (as torch's vectorized lerp), c2 = 1 - beta2, step_size = lr / bias_correction1. */
+#define ADAMW(NAME, GT, LOAD, OT, STORE)                                                                        \
+  void NAME(float* restrict p, float* restrict m, float* restrict v, const GT* restrict g, OT* restrict out,    \
+            int64_t n, float decay, float w1, int small, float b2, float c2, float step_size, float bc2_sqrt,    \
+            float eps, float scale) {                                                                            \
+    const float coeff = small ? w1 : w1 - 1.0f;                                                                  \
+    for (int64_t i = 0; i < n; i++) {                                                                            \
+      const float gi = LOAD(g, i) / scale;                                                                       \
+      const float mi = fmaf(coeff, gi - m[i], small ? m[i] : gi);                                                \
+      const float vi = fmaf(c2 * gi, gi, v[i] * b2);                                                             \
+      const float pi = p[i] * decay - (step_size * mi) / (sqrtf(vi) / bc2_sqrt + eps);                           \
+      m[i] = mi;                                                                                                 \
+      v[i] = vi;                                                                                                 \
+      p[i] = pi;                                                                                                 \
+      STORE(out, i, pi);                                                                                         \
+    }                                                                                                            \
+  }
+ADAMW(adamw_g16_o0, uint16_t, LOAD_G16, uint16_t, STORE_O0)
+ADAMW(adamw_g16_o16, uint16_t, LOAD_G16, uint16_t, STORE_O16)
+ADAMW(adamw_g16_o32, uint16_t, LOAD_G16, float, STORE_O32)
+ADAMW(adamw_g32_o0, float, LOAD_G32, uint16_t, STORE_O0)
+ADAMW(adamw_g32_o16, float, LOAD_G32, uint16_t, STORE_O16)
+ADAMW(adamw_g32_o32, float, LOAD_G32, float, STORE_O32)
+
+/* acc = s (first) or acc + s, in fp32; returns the sum of squares of the new acc (fp64, 16 partial sums). */
+#define ACCUMULATE(NAME, ST, LOAD)                                                                              \
+  double NAME(float* restrict acc, const ST* restrict s, int64_t n, int first) {                                \
+    double part[16] = {0};                                                                                       \
+    const int64_t nb = n - n % 16;                                                                               \
+    int64_t i = 0;                                                                                               \
+    if (first) {                                                                                                 \
+      for (; i < nb; i += 16)                                                                                    \
+        for (int j = 0; j < 16; j++) {                                                                           \
+          const float x = LOAD(s, i + j);                                                                        \
+          acc[i + j] = x;                                                                                        \
+          part[j] += (double)x * x;                                                                              \
+        }                                                                                                        \
+    } else {                                                                                                     \
+      for (; i < nb; i += 16)                                                                                    \
+        for (int j = 0; j < 16; j++) {                                                                           \
+          const float x = acc[i + j] + LOAD(s, i + j);                                                           \
+          acc[i + j] = x;                                                                                        \
+          part[j] += (double)x * x;                                                                              \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (; i < n; i++) {                                                                                         \
+      const float x = first ? LOAD(s, i) : acc[i] + LOAD(s, i);                                                  \
+      acc[i] = x;                                                                                                \
+      part[0] += (double)x * x;                                                                                  \
+    }                                                                                                            \
+    double total = 0.0;                                                                                          \
+    for (int j = 0; j < 16; j++) total += part[j];                                                               \
+    return total;                                                                                                \
+  }
+ACCUMULATE(accumulate_g16, uint16_t, LOAD_G16)
+ACCUMULATE(accumulate_g32, float, LOAD_G32)
+"""
+
+_KERNEL_DTYPES = {torch.bfloat16: "16", torch.float32: "32"}
+
+
+class CpuKernels:
+    """The compiled loops (ctypes functions: they release the GIL while they run)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.lib, self.path = lib, path
+        f, p, i64 = ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
+        for g in ("16", "32"):
+            for o in ("0", "16", "32"):
+                fn = getattr(lib, f"adamw_g{g}_o{o}")
+                fn.argtypes = [p, p, p, p, p, i64, f, f, ctypes.c_int, f, f, f, f, f, f]
+                fn.restype = None
+            fn = getattr(lib, f"accumulate_g{g}")
+            fn.argtypes = [p, p, i64, ctypes.c_int]
+            fn.restype = ctypes.c_double
+
+    def adamw(self, grad_dtype: torch.dtype, out_dtype: torch.dtype | None):
+        g, o = _KERNEL_DTYPES.get(grad_dtype), "0" if out_dtype is None else _KERNEL_DTYPES.get(out_dtype)
+        return None if g is None or o is None else getattr(self.lib, f"adamw_g{g}_o{o}")
+
+    def accumulate(self, src_dtype: torch.dtype):
+        g = _KERNEL_DTYPES.get(src_dtype)
+        return None if g is None else getattr(self.lib, f"accumulate_g{g}")
+
+
+def _kernel_cache_dir() -> str:
+    base = os.environ.get("HOLOTRAIN_CACHE") or os.path.join(  # the same cache as the corpus and tokenizer
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "holotrain")
+    try:
+        os.makedirs(base, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+def _cpu_signature() -> str:
+    """The host CPU's model and flags: -march=native code is only valid on the CPU it was built for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _compile_kernels() -> CpuKernels:
+    import shutil
+
+    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+    if cc is None:
+        raise RuntimeError("no C compiler (CC, cc, gcc or clang) on PATH")
+    # -march=native first; if the compiler does not know this CPU, the x86 vector and FMA extensions it reports
+    # (without FMA in hardware fmaf would be a library call per element: torch ops are faster then).
+    attempts = [["-O3", "-march=native"]]
+    machine, signature = platform.machine().lower(), _cpu_signature()
+    if machine in ("x86_64", "amd64"):
+        flags = set(" ".join(ln.split(":", 1)[-1] for ln in signature.splitlines() if ln.startswith("flags")).split())
+        if {"avx2", "fma"} <= flags:
+            attempts.append(["-O3", "-mavx2", "-mfma"])
+    else:
+        attempts.append(["-O3"])
+    common = ["-std=c11", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+    errors = []
+    for flags in attempts:
+        key = hashlib.sha256("\0".join([_KERNEL_SOURCE, cc, *flags, *common, machine, signature]).encode()).hexdigest()[:20]
+        path = os.path.join(_kernel_cache_dir(), f"holotrain_offload_{key}.so")
+        if not os.path.isfile(path):
+            with tempfile.TemporaryDirectory() as tmp:
+                src, tmp_so = os.path.join(tmp, "kernels.c"), os.path.join(tmp, "kernels.so")
+                with open(src, "w") as f:
+                    f.write(_KERNEL_SOURCE)
+                proc = subprocess.run([cc, *flags, *common, src, "-o", tmp_so, "-lm"], capture_output=True, text=True,
+                                      timeout=120, check=False)
+                if proc.returncode != 0:
+                    errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-300:]}")
+                    continue
+                staged = f"{path}.{os.getpid()}.{threading.get_ident()}"
+                with open(tmp_so, "rb") as fin, open(staged, "wb") as fout:
+                    fout.write(fin.read())
+                os.replace(staged, path)  # atomic: ranks compiling at once each install a complete file
+        kernels = CpuKernels(ctypes.CDLL(path), path)
+        _self_test(kernels)
+        return kernels
+    raise RuntimeError("; ".join(errors) or "no compiler flags worked")
+
+
+def _self_test(kernels: CpuKernels) -> None:
+    """The compiled AdamW against torch's fused CPU AdamW (clipped, on a ragged length), and the accumulation."""
+    gen = torch.Generator().manual_seed(0)
+    n = 1000 + 13
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(torch.bfloat16)
+    m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+    ref = [p.clone(), m.clone(), v.clone()]
+    torch._fused_adamw_([ref[0]], [g.float()], [ref[1]], [ref[2]], [], [torch.tensor(3.0)], lr=1e-3, beta1=0.9,
+                        beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+                        grad_scale=torch.tensor(2.0), found_inf=None)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    adamw_flat(p, m, v, g, out, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, t=3, scale=2.0,
+               kernels=kernels)
+    for got, want in zip((p, m, v), ref):
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-7):
+            raise RuntimeError("the compiled AdamW disagrees with torch._fused_adamw_")
+    if not torch.equal(out, p.to(torch.bfloat16)):
+        raise RuntimeError("the compiled bf16 rounding disagrees with torch")
+    acc = torch.randn(n, generator=gen)
+    want = acc + g.float()
+    sq = accumulate_flat(acc, g, first=False, kernels=kernels)
+    if not torch.equal(acc, want) or not math.isclose(sq, want.double().square().sum().item(), rel_tol=1e-9):
+        raise RuntimeError("the compiled accumulation disagrees with torch")
+
+
+_kernels_lock = threading.Lock()
+_kernels_state: list = []  # [CpuKernels | None] once tried
+
+
+def cpu_kernels() -> CpuKernels | None:
+    """The compiled loops, or None (HOLOTRAIN_OFFLOAD_KERNEL=torch, or no working C compiler: torch ops then, with a
+    warning). Compiled once per process (a cached shared library per host and source after the first)."""
+    with _kernels_lock:
+        if not _kernels_state:
+            kernels = None
+            if os.environ.get("HOLOTRAIN_OFFLOAD_KERNEL", "c") != "torch":
+                try:
+                    kernels = _compile_kernels()
+                except Exception as e:  # noqa: BLE001 - any failure means the torch-op path
+                    warnings.warn(f"offload: the compiled CPU step is unavailable ({str(e)[:300]}); using torch ops, "
+                                  "which make more passes over host memory", stacklevel=2)
+            _kernels_state.append(kernels)
+        return _kernels_state[0]
+
+
+class CpuPool:
+    """`threads` threads (the caller and threads - 1 daemon helpers) running a function over slices of [0, n): two
+    slices per thread, taken in turn, so a thread that loses its core for a while delays only its own slice. Own
+    threads rather than concurrent.futures, which refuses work once the interpreter starts exiting (the engine
+    finishes its step in an atexit handler)."""
+
+    ALIGN = 64  # elements: slices start on cache lines of every buffer
+
+    def __init__(self, threads: int):
+        self.threads = max(1, int(threads))
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._helpers: list[threading.Thread] = []
+
+    def slices(self, n: int) -> list[tuple[int, int]]:
+        count = max(1, min(2 * self.threads, n // (16 * 1024)))
+        bounds = [n * k // count // self.ALIGN * self.ALIGN for k in range(count)] + [n]
+        return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def map(self, fn, n: int) -> list:
+        """fn(lo, hi) over the slices of [0, n); their results in slice order."""
+        slices = self.slices(n)
+        results = [None] * len(slices)
+        order = iter(range(len(slices)))  # shared: next() on a range iterator is atomic under the GIL
+        errors: list[BaseException] = []
+        done = threading.Semaphore(0)
+
+        def drain():
+            try:
+                for k in order:
+                    results[k] = fn(*slices[k])
+            except BaseException as e:  # noqa: BLE001 - raised by the caller once every thread has stopped
+                errors.append(e)
+
+        def helper():
+            try:
+                drain()
+            finally:
+                done.release()
+
+        helpers = min(self.threads, len(slices)) - 1
+        while len(self._helpers) < helpers:
+            t = threading.Thread(target=self._serve, name=f"holotrain-offload-cpu-{len(self._helpers)}", daemon=True)
+            t.start()
+            self._helpers.append(t)
+        for _ in range(helpers):
+            self._jobs.put(helper)
+        drain()
+        for _ in range(helpers):
+            done.acquire()
+        if errors:
+            raise errors[0]
+        return results
+
+    def close(self) -> None:
+        for _ in self._helpers:
+            self._jobs.put(None)
+        for t in self._helpers:
+            t.join()
+        self._helpers = []
+
+
+def _ptr(t: torch.Tensor | None, lo: int):
+    return None if t is None else t.data_ptr() + lo * t.element_size()
+
+
+def adamw_flat(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+               out: torch.Tensor | None, *, lr: float, betas: tuple[float, float], weight_decay: float, eps: float,
+               t: int, scale: float = 1.0, kernels: CpuKernels | None = None, pool: CpuPool | None = None,
+               scratch: torch.Tensor | None = None) -> None:
+    """One AdamW step (torch's fused math) of flat contiguous fp32 buffers, the gradient (fp32 or bf16) divided by
+    `scale`; with `out`, also writes the new weights in out's dtype. The compiled loop in one pass when `kernels`
+    has it, else torch ops chunk by chunk (gradient -> fp32 scratch, fused AdamW, weights -> out)."""
+    b1, b2 = betas
+    fn = kernels.adamw(grad.dtype, None if out is None else out.dtype) if kernels is not None else None
+    if fn is not None:
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        w1 = 1 - b1
+        consts = (1 - lr * weight_decay, w1, int(abs(float(torch.tensor(w1, dtype=torch.float32))) < 0.5), b2, 1 - b2,
+                  lr / bc1, math.sqrt(bc2), eps, scale)
+
+        def run(lo, hi):
+            fn(_ptr(master, lo), _ptr(exp_avg, lo), _ptr(exp_avg_sq, lo), _ptr(grad, lo), _ptr(out, lo), hi - lo,
+               *consts)
+
+        (pool or CpuPool(1)).map(run, master.numel())
+        return
+    n = master.numel()
+    if scratch is None and grad.dtype != torch.float32:
+        scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
+    grad_scale = None if scale == 1.0 else torch.tensor(scale, dtype=torch.float32)
+    step = torch.tensor(float(t))
+    for lo, hi in _chunks(n):
+        g = grad[lo:hi]
+        if g.dtype != torch.float32:
+            g = scratch[:hi - lo].copy_(g)
+        torch._fused_adamw_(
+            [master[lo:hi]], [g], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [], [step], lr=lr, beta1=b1, beta2=b2,
+            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
+        )
+        if out is not None:
+            out[lo:hi].copy_(master[lo:hi])
+
+
+def accumulate_flat(acc: torch.Tensor, src: torch.Tensor, first: bool, *, kernels: CpuKernels | None = None,
+                    pool: CpuPool | None = None, scratch: torch.Tensor | None = None, want_sq: bool = True) -> float:
+    """acc = src (first) or acc + src (fp32; src fp32 or bf16), in one pass; returns the new acc's sum of squares
+    (0.0 without want_sq on the torch-op path)."""
+    fn = kernels.accumulate(src.dtype) if kernels is not None else None
+    if fn is not None:
+        def run(lo, hi):
+            return fn(_ptr(acc, lo), _ptr(src, lo), hi - lo, int(first))
+
+        return math.fsum((pool or CpuPool(1)).map(run, acc.numel()))
+    n = acc.numel()
+    if scratch is None and src.dtype != torch.float32:
+        scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
+    dots = []
+    for lo, hi in _chunks(n):
+        s = src[lo:hi]
+        if s.dtype != torch.float32:  # into the scratch: a mixed-dtype add would allocate a temporary per chunk
+            s = scratch[:hi - lo].copy_(s)
+        a = acc[lo:hi]
+        a.copy_(s) if first else a.add_(s)
+        if want_sq:
+            dots.append(torch.dot(a, a))  # parallel, unlike vector_norm's CPU reduction
+    return math.fsum(d.item() for d in dots) if dots else 0.0
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' summed squared L2 norm as an fp64 scalar on their device (each norm taken in fp32)."""
+    try:
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    return torch.stack(norms).double().square().sum()
+
+
 @dataclass
 class _Step:
     lr: float
@@ -170,6 +554,9 @@ class _Bucket:
         self.staging_free = True
         self.grad: torch.Tensor | None = None  # the landed gradient (staging or acc)
         self.sq_norm = 0.0
+        # The squared norm of this step's gradient, taken on the device before the copy (one landing per step):
+        # a pinned fp64 slot the D2H stream writes after the gradient (on the CPU device, the norm tensor itself).
+        self.sq_host = torch.zeros(1, dtype=torch.float64, pin_memory=True) if pin else None
         self.speculated = False  # masters hold this step's unclipped update
         self.version = self.uploaded = 0  # master changes / the change the working weights show
         self.grads_ready = None  # CUDA event: backward is done with this bucket's weights and gradients
@@ -250,6 +637,7 @@ class OffloadEngine:
         self._error: BaseException | None = None
         self._stop = False
         self._stats = collections.Counter()
+        self._waited = 0.0  # worker only: seconds blocked on copies so far
         self._transfers: list[tuple[str, object, object]] = []
         if self.cuda:
             self._d2h = torch.cuda.Stream(self.device)
@@ -259,6 +647,11 @@ class OffloadEngine:
             self._next_upload = 0
         self._scratch = torch.empty(min(CHUNK, max((b.numel for b in self.buckets), default=0)), dtype=torch.float32)
         self._scratch2 = torch.empty_like(self._scratch)
+        # The update and accumulation loops: compiled (one pass, GIL released) unless unavailable; `kernel` says
+        # which, for the metrics' readers.
+        self._kernels = cpu_kernels()
+        self.kernel = "c" if self._kernels is not None else "torch"
+        self._pool = CpuPool(self.threads)
 
         self._handles = []
         for b in self.buckets:
@@ -343,8 +736,10 @@ class OffloadEngine:
             self._h2d.synchronize()
 
     def metrics(self, steps: int) -> dict:
-        """Per-step means since the last call: the CPU step (AdamW, rollbacks, conversions), landing (waits for
-        copies, accumulation, norms), the transfers (GPU time of the copies, overlapped with compute unless
+        """Per-step means since the last call: the CPU step (AdamW, rollbacks, conversions, uploads), landing
+        (accumulation and its norm; next to nothing with one landing per step, whose norm the GPU takes), the
+        worker's time blocked on copies (gradients the GPU has not produced yet, upload buffers still being read:
+        the GPU's pace, not CPU work), the transfers (GPU time of the copies, overlapped with compute unless
         time.offload_wait shows otherwise), rolled-back buckets, and the share of steps that speculated."""
         self._resolve_transfers()
         with self._lock:
@@ -353,6 +748,7 @@ class OffloadEngine:
         return {
             "offload.cpu_step_s": s["cpu_s"] / n,
             "offload.land_s": s["land_s"] / n,
+            "offload.copy_wait_s": s["copy_wait_s"] / n,
             "offload.d2h_s": s["d2h_s"] / n,
             "offload.h2d_s": s["h2d_s"] / n,
             "offload.rollbacks": s["rollbacks"] / n,
@@ -367,6 +763,7 @@ class OffloadEngine:
             self._stop = True
             self._lock.notify_all()
         self._thread.join()
+        self._pool.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -427,6 +824,10 @@ class OffloadEngine:
         self._wait(lambda: b.staging_free)  # the previous micro-batch's gradient has been added up
         b.staging_free = False
         grads = [_local(p.grad) for p in b.params]
+        # One landing per step: the bucket's squared norm is taken here, on the device (a read of the gradient
+        # that the GPU does in microseconds), so the host never makes a pass over it. With accumulation the norm is
+        # that of the sum, taken on the host while it adds the last micro-batch.
+        sq = _squared_norm(grads) if step.landings == 1 else None
         copied = None
         if self.cuda:
             # On the stream that produced the gradients (FSDP2: its reduce-scatter stream).
@@ -437,12 +838,17 @@ class OffloadEngine:
                 start.record()
                 for i, g in enumerate(grads):
                     b.view(b.staging, i).copy_(g, non_blocking=True)
+                if sq is not None:
+                    b.sq_host.copy_(sq, non_blocking=True)
                 copied.record()
             for g in grads:
                 g.record_stream(self._d2h)  # freed below, but not reused before the copy has read it
+            if sq is not None:
+                sq.record_stream(self._d2h)
         else:
             for i, g in enumerate(grads):
                 b.view(b.staging, i).copy_(g)
+            b.sq_host = sq
         for p in b.params:
             p.grad = None
         with self._lock:
@@ -496,52 +902,71 @@ class OffloadEngine:
             with torch.no_grad():
                 while (task := self._next_task()) is not None:
                     kind, item = task
-                    t0 = time.perf_counter()
+                    t0, waited = time.perf_counter(), self._waited
                     if kind == "land":
                         self._land(*item)
-                        self._count("land_s", time.perf_counter() - t0)
                     else:
                         self._update(item)
-                        self._count("cpu_s", time.perf_counter() - t0)
+                    # Time blocked on copies (a gradient still on its way, an upload buffer still being read) is
+                    # counted apart: it is the GPU's pace, not CPU work.
+                    waited = self._waited - waited
+                    with self._lock:
+                        self._stats["land_s" if kind == "land" else "cpu_s"] += time.perf_counter() - t0 - waited
+                        self._stats["copy_wait_s"] += waited
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
             with self._lock:
                 self._error = e
                 self._lock.notify_all()
 
     def _next_task(self):
-        """Landings first (they free staging buffers and bring the norm closer), then the update the next
-        forward needs first. None: stopped and nothing left that can run."""
+        """Landings whose copies are done first (they free staging buffers and bring the norm closer), then the
+        update the next forward needs first, and only when there is nothing else, a landing whose copy is still
+        on its way. Backward queues its copies well ahead of the GPU (the host runs ahead), so waiting for each
+        in turn would leave every update until backward ends. None: stopped and nothing left that can run."""
         with self._lock:
             while True:
-                if self._arrivals:
+                if self._arrivals and self._arrived(self._arrivals[0]):
                     return "land", self._arrivals.popleft()
                 for b in self.buckets:  # forward order
                     step = b.step
                     if (b.state == LANDED and (step.speculate or step.decision is not None)) or (
                             b.state == SPECULATED and step.decision is not None):
                         return "update", b
+                if self._arrivals:
+                    return "land", self._arrivals.popleft()  # copies finish in order: the oldest one first
                 if self._stop:
                     return None
                 self._lock.wait()
 
+    @staticmethod
+    def _arrived(arrival) -> bool:
+        copied = arrival[3]
+        return copied is None or copied.query()
+
+    def _sync(self, event) -> None:
+        """Waits for a CUDA event, the wait counted as copy_wait_s."""
+        if event is None or event.query():
+            return
+        t0 = time.perf_counter()
+        event.synchronize()
+        self._waited += time.perf_counter() - t0
+
     def _land(self, b: _Bucket, step: _Step, m: int, copied) -> None:
-        if copied is not None:
-            copied.synchronize()
-        grad = b.staging
-        if step.landings > 1:
-            if m == 0:
-                b.acc.copy_(b.staging)
-            else:
-                b.acc.add_(b.staging)
+        self._sync(copied)
+        if step.landings == 1:
+            grad = b.staging
+            sq = float(b.sq_host.item())  # taken on the device; copied after the gradient
+        else:
+            # Micro-batches add up in fp32, one pass each; the last one also takes the sum's squared norm.
+            last = m == step.landings - 1
+            sq = accumulate_flat(b.acc, b.staging, m == 0, kernels=self._kernels, pool=self._pool,
+                                 scratch=self._scratch, want_sq=last)
             grad = b.acc
             with self._lock:
                 b.staging_free = True
                 self._lock.notify_all()
-        if m < step.landings - 1:
-            return
-        sq = 0.0
-        for lo, hi in _chunks(b.numel):
-            sq += torch.linalg.vector_norm(grad[lo:hi], dtype=torch.float32).item() ** 2
+            if not last:
+                return
         with self._lock:
             b.grad, b.sq_norm, b.step, b.speculated = grad, sq, step, False
             b.state = LANDED
@@ -583,19 +1008,9 @@ class OffloadEngine:
         writes the new weights in the working dtype into an upload buffer, chunk by chunk while they are in
         cache, and returns it."""
         upload = self._upload_buffer() if (to_upload and self.cuda) else None
-        grad_scale = None if scale == 1.0 else torch.tensor(scale, dtype=torch.float32)
-        t = torch.tensor(float(step.t))
-        for lo, hi in _chunks(b.numel):
-            g = b.grad[lo:hi]
-            if g.dtype != torch.float32:
-                g = self._scratch[:hi - lo].copy_(g)
-            torch._fused_adamw_(
-                [b.master[lo:hi]], [g], [b.exp_avg[lo:hi]], [b.exp_avg_sq[lo:hi]], [], [t],
-                lr=step.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay, eps=self.eps,
-                amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
-            )
-            if upload is not None:
-                upload.data[lo:hi].copy_(b.master[lo:hi])
+        adamw_flat(b.master, b.exp_avg, b.exp_avg_sq, b.grad, None if upload is None else upload.data[:b.numel],
+                   lr=step.lr, betas=self.betas, weight_decay=self.weight_decay, eps=self.eps, t=step.t, scale=scale,
+                   kernels=self._kernels, pool=self._pool, scratch=self._scratch)
         b.version += 1
         return upload
 
@@ -652,8 +1067,7 @@ class OffloadEngine:
         """The next of two pinned upload buffers, once the copy that last read it has finished."""
         upload = self._uploads[self._next_upload]
         self._next_upload = (self._next_upload + 1) % len(self._uploads)
-        if upload.in_use is not None:
-            upload.in_use.synchronize()
+        self._sync(upload.in_use)
         return upload
 
     # ----------------------------------------------------------------------------------------
