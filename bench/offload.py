@@ -182,9 +182,8 @@ def _fsdp2_cpu_offload_step(cfg, device):
         fully_shard,
     )
 
-    from holotrain.memory import apply_activation_checkpointing
     from holotrain.model import Llama
-    from holotrain.train.trainer import model_args
+    from holotrain.train.trainer import apply_compute_levers, model_args
 
     if not dist.is_initialized():
         backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
@@ -192,12 +191,7 @@ def _fsdp2_cpu_offload_step(cfg, device):
     mesh = init_device_mesh(device.type, (1,))
     with torch.device("meta"):
         model = Llama(model_args(cfg))
-    if cfg.memory.activation_checkpointing != "none":
-        apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
-    if cfg.training.compile:
-        for block in model.layers.values():
-            block.compile()
-        model.loss = torch.compile(model.loss)
+    apply_compute_levers(model, cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # (pinning needs CUDA: the CPU smoke test)
     for block in model.layers.values():

@@ -54,3 +54,23 @@ def run_cli(*args, env=None, check=True, timeout=600) -> subprocess.CompletedPro
 def read_metrics(run_dir) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sigkill_after(args: list[str], run_dir, kill_after: int) -> int:
+    """Runs `holotrain <args>` and SIGKILLs it once metrics.jsonl holds `kill_after` rows; returns the rows logged."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "holotrain.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    metrics = Path(run_dir) / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"run ended before the kill at step {kill_after}"
+    return len(read_metrics(run_dir))

@@ -5,15 +5,12 @@ import os
 import pickle
 import random
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from holotrain.train.checkpoint import SafeFileSystemReader, latest_checkpoint
-from tests.conftest import REPO, read_metrics, run_cli, tiny_args
+from tests.conftest import read_metrics, run_cli, sigkill_after, tiny_args
 
 
 def losses(run_dir):
@@ -45,19 +42,7 @@ def test_resume_after_sigkill_is_bit_exact(reference_run, tmp_path):
     run_dir = tmp_path / "killed"
     args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2})]
     kill_after = random.Random().randint(5, 30)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "holotrain.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.002)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"run ended before the kill at step {kill_after}"
-    killed_at = len(read_metrics(run_dir))
+    killed_at = sigkill_after(args, run_dir, kill_after)
     assert killed_at < 40
     run_cli(*args)
     assert losses(run_dir) == losses(reference_run), f"killed after step {killed_at}"

@@ -58,14 +58,7 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype) -> torch.
     mesh = device_mesh(env, cfg.parallel.tp)  # ("dp",), or ("dp", "tp") with tensor parallelism
     if cfg.parallel.tp > 1:
         apply_tp(model, mesh["tp"], cfg.parallel.tp_overlap, cfg.parallel.tp_tiles)
-    if cfg.memory.activation_checkpointing != "none":
-        apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
-    if cfg.training.compile:
-        # Regional compilation: each block (identical code, compiled once) and the loss head. Keeps
-        # parameter names, composes with FSDP2's per-block hooks, and compiles in seconds, not minutes.
-        for block in model.layers.values():
-            block.compile()
-        model.loss = torch.compile(model.loss)
+    apply_compute_levers(model, cfg)
     if env.world_size > 1:
         apply_fsdp(model, mesh["dp"], compute_dtype, cfg.parallel.reshard_after_forward)
     # With offload on one device the model is materialized in fp32 on the host: the offload engine (made by
@@ -74,6 +67,18 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype) -> torch.
     model.to_empty(device="cpu" if cfg.memory.offload and env.world_size == 1 else env.device)
     model.init_weights(seed=cfg.job.seed)
     return model
+
+
+def apply_compute_levers(model: torch.nn.Module, cfg: Config) -> None:
+    """Activation checkpointing and compilation, applied to the plain (or tensor-parallel) model before sharding."""
+    if cfg.memory.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
+    if cfg.training.compile:
+        # Regional compilation: each block (identical code, compiled once) and the loss head. Keeps
+        # parameter names, composes with FSDP2's per-block hooks, and compiles in seconds, not minutes.
+        for block in model.layers.values():
+            block.compile()
+        model.loss = torch.compile(model.loss)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, env: DistEnv | None = None,
