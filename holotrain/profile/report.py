@@ -610,6 +610,10 @@ def write_report(run_dir) -> Path:
         body += _note("No tokens_per_s in metrics.jsonl.")
     if not loss:
         body += _note("No loss in metrics.jsonl.")
+    traced = (cfg.get("profile") or {}).get("trace_steps") or []
+    if traced:
+        body += _note(f"Steps {', '.join(str(t) for t in sorted(traced))} ran under torch.profiler "
+                      "(profile.trace_steps): their logged interval is slower by design.")
     parts.append(_section("Throughput and loss", body, "throughput"))
 
     # -- phases
