@@ -506,3 +506,49 @@ def test_old_driver_throttle_reasons_and_power_usage_fallback(tmp_path):
     tel.stop()
     s = [r for r in tel.records if r["kind"] == "sample"][-1]
     assert s["throttle"] == 0x4 and s["power_w"] == 700.0
+
+
+def _energy_sum_worker(rank: int, world: int, init_file: str, has_sampler: list, out: str) -> None:
+    import torch.distributed as dist
+
+    from holotrain.parallel import DistEnv
+    from holotrain.train.trainer import _energy_fields
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    tel, mine = None, 0.0
+    if has_sampler[rank]:
+        fake = FakeNVML(n_devices=1)
+        handle = fake.nvmlDeviceGetHandleByIndex(0)
+        tel = Telemetry([0], None, hz=100.0, nvml=fake, devices=[0])
+        tel.start()
+        tel.window()
+        e0 = fake.nvmlDeviceGetTotalEnergyConsumption(handle)
+        time.sleep(0.3)
+    fields = _energy_fields(tel, env, steps=2, tokens_per_step=100)
+    if tel is not None:
+        mine = (fake.nvmlDeviceGetTotalEnergyConsumption(handle) - e0) / 1000.0  # J this rank's card used
+        tel.stop()
+    Path(f"{out}.{rank}").write_text(json.dumps({"fields": fields, "mine": mine}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("has_sampler", [[True, True], [True, False], [False, False]])
+def test_job_energy_sums_every_sampler(tmp_path, has_sampler):
+    """Per-step energy in a 2-rank job is the sum over the ranks that sample (each its own cards), the same on
+    every rank; with no sampler anywhere it is null, never zero."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "fields")
+    mp.spawn(_energy_sum_worker, args=(2, str(tmp_path / "init"), has_sampler, out), nprocs=2)
+    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    rows = [r["fields"] for r in results]
+    assert rows[0]["energy.joules"] == rows[1]["energy.joules"]
+    if not any(has_sampler):
+        assert rows[0]["energy.joules"] is None and rows[0]["energy.j_per_token"] is None
+        return
+    per_step = rows[0]["energy.joules"]
+    assert rows[0]["energy.j_per_token"] == pytest.approx(per_step / 100)
+    # Each sampler's window ends just before its counter is read again: the job's sum over 2 steps matches.
+    assert per_step * 2 == pytest.approx(sum(r["mine"] for r in results), rel=0.1)
+    assert per_step > 0

@@ -316,15 +316,21 @@ def _loop(cfg, env, model, optimizer, data, start_step, micro, accum, dtype) -> 
 
 
 def _start_telemetry(cfg: Config, env: DistEnv):
-    """NVML sampling of this node's GPUs, by its first rank only (one sampler per node sees every local card)."""
-    if not cfg.hw.telemetry or env.device.type != "cuda" or env.local_rank != 0:
+    """NVML sampling of the job's GPUs. A process that sees every card of its node (the usual torchrun layout)
+    makes its node's first rank sample them all; with one visible card per process, each rank samples its own."""
+    if not cfg.hw.telemetry or env.device.type != "cuda":
         return None
     from holotrain.hw.telemetry import Telemetry
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    node = env.rank // local
-    name = "telemetry.jsonl" if node == 0 else f"telemetry.node{node}.jsonl"
-    telemetry = Telemetry(list(range(local)), cfg.run_dir / name, cfg.hw.telemetry_hz, rank=env.rank)
+    if torch.cuda.device_count() >= local:
+        if env.local_rank != 0:
+            return None
+        node = env.rank // local
+        indices, name = list(range(local)), "telemetry.jsonl" if node == 0 else f"telemetry.node{node}.jsonl"
+    else:
+        indices, name = [env.device.index or 0], "telemetry.jsonl" if env.rank == 0 else f"telemetry.rank{env.rank}.jsonl"
+    telemetry = Telemetry(indices, cfg.run_dir / name, cfg.hw.telemetry_hz, rank=env.rank)
     telemetry.start()
     return telemetry
 
@@ -349,17 +355,17 @@ def _host_rss_gb() -> float | None:
 
 
 def _energy_fields(telemetry, env: DistEnv, steps: int, tokens_per_step: int) -> dict:
-    """Per-step energy of every GPU in the job (summed over nodes) and this node's clock/power figures."""
+    """Per-step energy of every GPU in the job (summed over samplers) and the clock/power figures this rank sampled."""
     window = telemetry.window() if telemetry is not None else {}
     joules = window.get("energy.joules")
-    if env.world_size > 1 and env.device.type == "cuda":
-        # Node leaders contribute their node's energy, the other ranks zero; NaN marks a node without NVML.
-        value = torch.tensor(
-            (joules if joules is not None else math.nan) if env.local_rank == 0 else 0.0,
-            dtype=torch.float64, device=env.device,
-        )
+    if env.world_size > 1:
+        # Each sampler contributes the energy of the cards it samples and a count of one, other ranks zeros; NaN
+        # marks a sampler without NVML, so a partial sum is never reported as the job's energy.
+        mine = [0.0, 0.0] if telemetry is None else [joules if joules is not None else math.nan, 1.0]
+        value = torch.tensor(mine, dtype=torch.float64, device=env.device)
         dist.all_reduce(value)
-        joules = value.item() if math.isfinite(value.item()) else None
+        total, samplers = value.tolist()
+        joules = total if samplers > 0 and math.isfinite(total) else None
     per_step = joules / steps if joules is not None else None
     return {
         "energy.joules": per_step,
