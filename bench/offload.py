@@ -704,7 +704,7 @@ def _f(x, fmt):
 
 def _exposed(r: dict) -> float | None:
     """time.offload_wait in all its places: since the phase clock names nested phases after their parent, the
-    forward's gates are time.forward.offload_wait and finish_step's wait time.optimizer.offload_wait."""
+    forward's gates are time.forward.offload_wait, and the wait after backward is time.offload_wait."""
     keys = [k for k in r if k.startswith("time.") and k.endswith("offload_wait")]
     return sum(r[k] for k in keys) if keys else None
 

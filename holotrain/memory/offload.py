@@ -690,7 +690,8 @@ class OffloadEngine:
         """Clips with the global norm, steps the device-side parameters and lets the worker finish the CPU
         side. Returns the gradient norm (a device tensor)."""
         step = self._step
-        self.wait_landed()
+        if not all(b.step is step for b in self.buckets):  # TrainStep waits first, timing it as exposed time
+            self.wait_landed()
         sq = torch.tensor(sum(b.sq_norm for b in self.buckets), dtype=torch.float64, device=self.device)
         grads = [_local(p.grad) for p in self.device_params if p.grad is not None]
         if grads:
