@@ -1,63 +1,67 @@
 #!/usr/bin/env bash
-# Issue-5 figures on one H200 in one device call. The call may run 600 s; this script ends by BUDGET seconds
-# (default 530): every stage gets a timeout of at most what is left, minus what the later stages need.
-#   1. (a) 1.4b at B=16: no offload; offload with clipping off (a run whose norms stay under the threshold:
-#          the CPU step speculates and overlaps backward) and at 1.0 (random tokens keep the norm above 1.0 for
-#          these few steps: every step clips, so the CPU step waits for the norm: the worst case). ~45 s a trial.
-#   2. (cpu) the CPU step's pieces on this host: memcpy and AdamW ceilings, landing/update before and after,
-#          a thread sweep, the GIL test. ~20 s, no GPU.
-#   3. (b) 7b under a 24 GiB GPU cap at batch 4 = micro-batch 4 (the plan: 18 GiB; micro 8 would plan 22.8 of
-#          22.8 usable, too close for the one trial there is time for), without accumulation: an fp32 accumulator
-#          puts a 7B at ~122 GB of host RAM, so the last session's (b), batch 16, found no micro-batch that fits,
-#          fell back to 16 micro-batches of 1 and ran past the call's time. Hard-capped.
-#   4. the table; 5. the GPU offload test; 6. (a) at B=8 (no offload; offload with clipping off) if time is
-#      left, and the table again.
-# FSDP2 CPUOffloadPolicy (B=8: 10,764 tokens/s, 2026-11-30) does not depend on this engine: not rerun.
-# Usage (repo root, on the GPU machine): bash bench/gpu_offload.sh OUT_DIR [BUDGET_S]
+# Issue-5 figures on one H200 in one device call (at most 600 s). Every stage runs under a hard timeout of at
+# most what is left of BUDGET seconds (default 530) once the later stages' reserve is kept, and is skipped when
+# too little is left; the table is printed at the end.
+# Usage (repo root, on the GPU machine): bash bench/gpu_offload.sh OUT_DIR [BUDGET_S] [STAGES]
+# STAGES, comma-separated, in the order given (default a16,cpu,b,test,a8):
+#   a16   (a) 1.4b at B=16: no offload; offload with clipping off (norms under the threshold: the CPU step
+#         speculates and overlaps backward) and at 1.0 (random tokens keep the norm above 1.0 for these few
+#         steps: every step clips and waits for the norm: the worst case). ~45 s a trial.
+#   a16r  (a) B=16, clip 1.0 (the worst case) at offload_ratio 0.5: the first half of the model (in forward order)
+#         keeps its optimizer on the GPU, so the next forward runs on it while the CPU finishes the rest.
+#   a8    (a) B=8: no offload; offload at ratio 1.0 and 0.6, clipping off (the CPU step of all 1.36B, 264 ms at
+#         best on 16 cores, exceeds this GPU step, 261 ms: the ratio moves work back to the GPU).
+#   cpu   the CPU step's pieces on this host: memcpy and AdamW ceilings, loops before/after, threads, GIL. ~25 s.
+#   b     (b) 7b under a 24 GiB GPU cap, micro-batch 8 (measured peak at micro 4: 17.3 GB, the plan's activation
+#         estimate runs ~40% high) with clipping off, then micro 12. Without accumulation: an fp32 accumulator
+#         would take the host to ~122 GB for a 7B.
+#   c     (c) the whole machine: 14b at batch 4 with the smallest offload_ratio the memory plan fits.
+#   test  the GPU offload test (tests/test_offload.py -m gpu), verbose with durations.
 set -uo pipefail
 out=${1:?output directory}
 budget=${2:-530}
+stages=${3:-a16,cpu,b,test,a8}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 json="$out/offload.json"
 
-# cap WANT RESERVE: WANT seconds, or less if fewer are left once RESERVE is kept for the later stages.
-cap() {
-  local want=$1 reserve=$2 left
-  left=$(( budget - SECONDS - reserve ))
-  (( left < want )) && want=$left
-  (( want < 0 )) && want=0
-  echo "$want"
-}
-# stage CAP_S NAME ARGS...: one bench command under a hard timeout, skipped when too little time is left.
+left() { echo $(( budget - SECONDS )); }
+# stage CAP_S NAME ARGS...: one bench command under a hard timeout (at most what is left), skipped below 30 s.
 stage() {
   local t=$1 name=$2
   shift 2
+  (( t > $(left) )) && t=$(left)
   if (( t < 30 )); then echo "== [$SECONDS s] $name: skipped (${t} s left for it)"; return; fi
   echo "== [$SECONDS s] $name (cap $t s)"
   timeout -k 5 "$t" python3 bench/offload.py "$@" --out "$json" 2>&1 | grep -v -i warn | tail -20
   echo "== [$SECONDS s] $name done (rc ${PIPESTATUS[0]})"
 }
-table() { python3 bench/offload.py --table "$json" 2>&1 | tail -40; }
 
-stage "$(cap 200 250)" "(a) B=16" --part a --batch 16 --variants plain,offload --ratios 1.0 --clips 0,1.0 \
-  --steps 6 --warmup 3 --timeout 110
-stage "$(cap 45 210)" "(cpu)" --part cpu --cpu-params 128e6
-t=$(cap 200 15)  # the trial's own timeout leaves the orchestrator time to write its row (an error row on timeout)
-stage "$t" "(b) 7b" --part b --sizes 7b --big-batch 4 --clips 1.0 --steps 3 --warmup 2 --timeout $(( t - 15 ))
-table
-t=$(cap 110 0)
-if (( t >= 60 )); then
-  echo "== [$SECONDS s] GPU offload test (cap $t s)"
-  timeout -k 5 "$t" python3 -m pytest -q -x tests/test_offload.py -m gpu -p no:cacheprovider 2>&1 | tail -5
-  echo "gpu tests rc=${PIPESTATUS[0]}"
-else
-  echo "== [$SECONDS s] GPU offload test: skipped ($t s left)"
-fi
-t=$(cap 150 10)
-if (( t >= 100 )); then
-  stage "$t" "(a) B=8" --part a --batch 8 --variants plain,offload --ratios 1.0 --clips 0 --steps 6 --warmup 3 \
-    --timeout 75
-  table
-fi
+for s in ${stages//,/ }; do
+  case $s in
+    a16) stage 200 "(a) B=16" --part a --batch 16 --variants plain,offload --ratios 1.0 --clips 0,1.0 \
+           --steps 6 --warmup 3 --timeout 110 ;;
+    a16r) stage 60 "(a) B=16, clipped, ratio 0.5" --part a --batch 16 --variants offload --ratios 0.5 --clips 1.0 \
+           --steps 6 --warmup 3 --timeout 55 ;;
+    a8) stage 150 "(a) B=8" --part a --batch 8 --variants plain,offload --ratios 1.0,0.6 --clips 0 --steps 6 \
+          --warmup 3 --timeout 70 ;;
+    cpu) stage 45 "(cpu)" --part cpu --cpu-params 128e6 ;;
+    b) stage 110 "(b) 7b, micro 8" --part b --sizes 7b --big-batch 8 --micro 8 --clips 0 --steps 3 --warmup 2 \
+         --timeout 100
+       stage 110 "(b) 7b, micro 12" --part b --sizes 7b --big-batch 12 --micro 12 --clips 0 --steps 3 --warmup 2 \
+         --timeout 100 ;;
+    c) stage 200 "(c) 14b" --part c --sizes 14b --c-batch 4 --clips 0 --steps 3 --warmup 2 --timeout 190 ;;
+    test) t=$(( $(left) < 150 ? $(left) : 150 ))
+          if (( t >= 60 )); then
+            echo "== [$SECONDS s] GPU offload test (cap $t s)"
+            timeout -k 5 "$t" python3 -m pytest -v -s -x tests/test_offload.py -m gpu -p no:cacheprovider \
+              --durations=5 > "$out/gpu_test.log" 2>&1
+            echo "gpu tests rc=$?"; tail -15 "$out/gpu_test.log"
+          else
+            echo "== [$SECONDS s] GPU offload test: skipped ($t s left)"
+          fi ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+python3 bench/offload.py --table "$json" 2>&1 | tail -40
 echo "== [$SECONDS s] end"

@@ -303,7 +303,8 @@ def main() -> None:
         args = LlamaArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=2816, vocab_size=32000,
                          max_seq_len=1024)
         mesh = init_device_mesh("cuda", (W,), mesh_dim_names=("tp",))
-        tokens = torch.randint(0, 32000, (4, 1024), device=device, generator=gen)
+        # 1025 tokens: inputs and targets of 1024, which splits over the ranks for sequence parallelism
+        tokens = torch.randint(0, 32000, (4, 1025), device=device, generator=gen)
         dist.broadcast(tokens, 0)  # a tensor-parallel group shares its batch
         out, res = [], {}
         for mode in [m for m in ("none", "async_tp", "fused") if m in comms]:
