@@ -14,7 +14,8 @@
 #   cpu   the CPU step's pieces on this host: memcpy and AdamW ceilings, loops before/after, threads, GIL. ~25 s.
 #   b     (b) 7b under a 24 GiB GPU cap, micro-batch 8 (measured peak at micro 4: 17.3 GB, the plan's activation
 #         estimate runs ~40% high) with clipping off, then micro 12. Without accumulation: an fp32 accumulator
-#         would take the host to ~122 GB for a 7B.
+#         would take the host to ~122 GB for a 7B. (Micro 12 ran out of GPU memory on 2026-11-30.)
+#   b8, b10  (b) one trial: micro-batch 8, or 10.
 #   c     (c) the whole machine: 14b at batch 4 with the smallest offload_ratio the memory plan fits.
 #   test  the GPU offload test (tests/test_offload.py -m gpu), verbose with durations.
 set -uo pipefail
@@ -50,6 +51,8 @@ for s in ${stages//,/ }; do
          --timeout 100
        stage 110 "(b) 7b, micro 12" --part b --sizes 7b --big-batch 12 --micro 12 --clips 0 --steps 3 --warmup 2 \
          --timeout 100 ;;
+    b8|b10) stage 110 "(b) 7b, micro ${s#b}" --part b --sizes 7b --big-batch ${s#b} --micro ${s#b} --clips 0 --steps 3 \
+              --warmup 2 --timeout 100 ;;
     c) stage 200 "(c) 14b" --part c --sizes 14b --c-batch 4 --clips 0 --steps 3 --warmup 2 --timeout 190 ;;
     test) t=$(( $(left) < 150 ? $(left) : 150 ))
           if (( t >= 60 )); then

@@ -14,9 +14,14 @@
 # Short waits: ranks out of step fail within seconds (symmetric-memory barrier 20 s instead of 120 s, spin loops
 # 2^25 polls instead of 2^26), and a test case that hangs is ended after HOLOTRAIN_TEST_CASE_S.
 # Budget: about 6 minutes; at most ~9.3 (timeouts 100 + 80 + 60 + 170, e2e what is left of 560 s, 60..150).
-# Usage (repo root): bash bench/gpu_tp.sh OUT_DIR
+#   4. (diag) bench/overlap.py --part diag: the SM clock per variant on the large shape, and the GPU timeline of one
+#      fused / async-TP call per direction (where a fused call's time goes).
+# Usage (repo root): bash bench/gpu_tp.sh OUT_DIR [STEPS]; STEPS: comma list of basic, large, model, kernels, e2e,
+# diag (default basic,large,model,kernels,e2e).
 set -uo pipefail
 out=${1:?output directory}
+steps=",${2:-basic,large,model,kernels,e2e},"
+want() { [[ $steps == *",$1,"* ]]; }
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
@@ -44,10 +49,11 @@ tests() {  # group, timeout (s), per-case watchdog (s)
   grep -q "GPU TP CHECKS" "$log" || echo "   (ended early; last case started: $(grep -E '^\[rank 0\] RUN' "$log" | tail -1 | cut -c1-200))"
   errors "$log" 8
 }
-tests basic 100 45
-tests large 80 45
-tests model 60 45
+want basic && tests basic 100 45
+want large && tests large 80 45
+want model && tests model 60 45
 
+if want kernels; then
 s=$(date +%s)
 timeout 170 $run bench/overlap.py --part kernels --tune-budget 60 --watchdog 160 --out "$out/kernels.json" \
   > "$out/kernels.log" 2>&1
@@ -55,8 +61,20 @@ step "kernel benchmark (bench/overlap.py --part kernels, log kernels.log)" $? "$
 [ -f "$out/kernels.md" ] && cat "$out/kernels.md"
 grep -E "^\[rank [0-9]\] DIAG" "$out/kernels.log" | cut -c1-600 | head -6
 errors "$out/kernels.log" 10
+fi
 best=$(python3 -c "import json; print(json.load(open('$out/kernels.json')).get('best_tiles', ''))" 2>/dev/null)
+best=${best:-128x256x64-s3-w8-x1}  # the best of the 2026-11-30 tuning
 
+if want diag; then
+s=$(date +%s)
+timeout 120 $run bench/overlap.py --part diag --e2e-tiles "$best" --watchdog 110 --out "$out/diag.json" \
+  > "$out/diag.log" 2>&1
+step "diagnostics (bench/overlap.py --part diag, log diag.log)" $? "$s"
+grep -vE "^\[rank|^W[0-9]|warn" "$out/diag.log" | cut -c1-300 | head -120
+errors "$out/diag.log" 10
+fi
+
+if want e2e; then
 s=$(date +%s)
 left=$(( 560 - ($(date +%s) - t0) )); [ $left -gt 150 ] && left=150; [ $left -lt 60 ] && left=60
 timeout $left $run bench/overlap.py --part e2e --e2e-tiles "$best" --watchdog $(( left - 10 )) \
@@ -65,4 +83,5 @@ step "end to end (bench/overlap.py --part e2e, log e2e.log, tiles '$best')" $? "
 [ -f "$out/e2e.md" ] && cat "$out/e2e.md"
 grep -E "^\[rank [0-9]\] DIAG" "$out/e2e.log" | cut -c1-600 | head -6
 errors "$out/e2e.log" 10
+fi
 echo "== done in $(( $(date +%s) - t0 )) s; results in $out (gpu_tests_*.log, kernels.json/.md/.log, e2e.json/.md/.log)"

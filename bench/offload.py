@@ -607,6 +607,11 @@ def cpu_part(args, out: Path, meta: dict) -> None:
     def update_torch():
         off.adamw_flat(master, m, v, g16, up, **hp, kernels=None, scratch=scratch)
 
+    # The engine's masters and moments on 2 MiB pages (advised before first touch), against the 4 KiB-page buffers.
+    huge = [off._host_empty(n, torch.float32) for _ in range(3)]
+    huge[0].copy_(master)
+    huge[1].zero_()
+    huge[2].zero_()
     emit("memcpy fp32 (GB/s = 8 bytes/param x this)", top, timed(lambda: acc.copy_(master), top))
     emit("torch fused AdamW, fp32 grads (hw probe)", top,
          timed(lambda: torch._fused_adamw_([master], [acc], [m], [v], [], [torch.tensor(10.0)], lr=1e-4, beta1=0.9,
@@ -626,6 +631,8 @@ def cpu_part(args, out: Path, meta: dict) -> None:
             emit("update after, a Python-busy thread", threads,
                  timed(lambda pool=pool: off.adamw_flat(master, m, v, g16, up, **hp, kernels=kernels, pool=pool), 1,
                        busy=True))
+            emit("update after, masters and moments on huge pages", threads,
+                 timed(lambda pool=pool: off.adamw_flat(*huge, g16, up, **hp, kernels=kernels, pool=pool), 1))
             emit("accumulate+norm after: compiled, one pass", threads,
                  timed(lambda pool=pool: off.accumulate_flat(acc, g16, False, kernels=kernels, pool=pool), 1))
             if torch.cuda.is_available():  # the engine's staging and upload buffers are page-locked host memory

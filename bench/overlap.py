@@ -291,6 +291,137 @@ def profile_step(fn, top: int = 12) -> list:
         return [f"profiler failed: {type(e).__name__}: {e}"]
 
 
+class ClockSampler:
+    """This rank's GPU SM clock (MHz) and clock-event reasons, polled through NVML every ~2 ms on a thread while a
+    measurement runs: whether a variant is slower because its GEMM runs at a lower clock (the H200 sits at its
+    power cap under a large GEMM, and concurrent NVLink / copy-engine traffic draws from the same budget)."""
+
+    def __init__(self):
+        import threading
+
+        import pynvml
+
+        from holotrain.hw.nvml import handle_for_cuda, reasons_getter  # the event-reasons call this driver has
+
+        pynvml.nvmlInit()
+        self.nvml = pynvml
+        self.handle = handle_for_cuda(pynvml, torch.cuda.current_device())
+        self.reasons = reasons_getter(pynvml)
+        self.samples: list[tuple[int, int]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            clock = self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)
+            reasons = self.reasons(self.handle)
+            self.samples.append((clock, reasons))
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        clocks = [c for c, _ in self.samples]
+        sw_power = 0x004  # SwPowerCap (holotrain/hw/nvml.py)
+        return {"sm_mhz_mean": round(statistics.mean(clocks)), "sm_mhz_min": min(clocks),
+                "power_capped_frac": round(sum(1 for _, r in self.samples if r & sw_power) / len(self.samples), 2),
+                "samples": len(clocks)}
+
+
+def clocked(fn, seconds: float, warmup: int) -> dict:
+    """fn back to back for about `seconds` with the SM clock sampled: median ms per call (slower rank), clock."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = time.perf_counter() - t0
+    iters = torch.tensor([max(10, int(seconds / max(one, 1e-4)))], device="cuda")
+    dist.all_reduce(iters, op=dist.ReduceOp.MIN)  # the ranks make the same number of calls
+    dist.barrier()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(int(iters) + 1)]
+    with ClockSampler() as clock:
+        events[0].record()
+        for i in range(int(iters)):
+            fn()
+            events[i + 1].record()
+        torch.cuda.synchronize()
+    med = statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(int(iters)))
+    t = torch.tensor([med], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {"ms": round(t.item(), 4), "calls": int(iters), **clock.summary()}
+
+
+def gpu_timeline(fn, path: Path | None = None) -> list:
+    """One call of fn under the profiler: this rank's GPU activities (kernels, copies) in start order as
+    [name, stream, start us, duration us], relative to the first; where the time of a fused call goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    tmp = Path(f"/tmp/holotrain-timeline-{dist.get_rank()}.json")
+    prof.export_chrome_trace(str(tmp))
+    trace = json.loads(tmp.read_text())
+    if path is not None:
+        path.write_text(json.dumps(trace))
+    gpu = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+           and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    gpu.sort(key=lambda e: e["ts"])
+    t0 = gpu[0]["ts"] if gpu else 0
+    return [[e["name"][:48], e.get("tid"), round(e["ts"] - t0, 1), round(e.get("dur", 0), 1)] for e in gpu]
+
+
+def run_diag(args, comms, world, result, save):
+    """Clocks per variant on the large shape, and the GPU timeline of one fused call per direction (large shape and
+    the e2e model's QKV / w2 shapes)."""
+    from holotrain.parallel.overlap_kernels import triton_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(2000 + dist.get_rank())
+    if args.e2e_tiles and "fused" in comms:
+        set_tiles(comms["fused"], args.e2e_tiles)
+    diag = result.setdefault("diag", {})
+    for direction in ("ag", "rs"):
+        a, w = inputs(direction, *LARGE, world, gen)
+        ops = kernel_ops(direction, a, w, comms, world)
+        if "fused" in comms:
+            gathered = torch.cat([a] * world) if direction == "ag" else a
+            tiles = comms["fused"].fused.tiles
+            ops["triton_gemm"] = lambda: triton_matmul(gathered, w, "nk", tiles)
+        row = diag.setdefault(f"clocks {direction} {LARGE}", {})
+        for name in ("gemm", "triton_gemm", "comm", "sequential", "async_tp", "fused"):
+            if name in ops and (name not in ("async_tp", "fused") or name in comms):
+                attempt(row, name, lambda: clocked(ops[name], args.diag_seconds, args.warmup))
+        log(f"clocks {direction} {LARGE}: " + json.dumps(row))
+        save()
+    if "fused" not in comms:
+        return
+    shapes = [("ag", *LARGE), ("rs", *LARGE), ("ag", 16384, 2048, 6144), ("rs", 16384, 2048, 5632)]
+    for direction, M, K, N in shapes:
+        a, w = inputs(direction, M, K, N, world, gen)
+        ops = kernel_ops(direction, a, w, comms, world)
+        key = f"timeline fused {direction} {(M, K, N)}"
+        for mode in ("fused", "async_tp"):
+            if mode in comms:
+                k = key.replace("fused", mode)
+                attempt(diag, k, lambda: gpu_timeline(ops[mode]))
+                if diag.get(k):
+                    log(k + ":\n" + "\n".join(f"  {r[0]:48s} s{r[1]} +{r[2]:8.1f} us {r[3]:8.1f} us" for r in diag[k]))
+        save()
+
+
 # async_tp end to end ran at 0.76x of none on the first GPU run (45.7k vs 59.8k tok/s, 1.4b TP=2, eager), though in
 # isolation at the kernel table's shapes it beat NCCL-then-GEMM by 0.1-0.3 ms per op. Read, not yet measured:
 #  - No slow fallback: torch's CUDA kernels of symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter go
@@ -455,7 +586,8 @@ def markdown(result) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--part", default="kernels,e2e", help="kernels, e2e, or both")
+    p.add_argument("--part", default="kernels,e2e", help="comma list of kernels, diag (clocks per variant and fused "
+                                                             "calls' GPU timelines), e2e")
     p.add_argument("--tiles", default=",".join(TILES), help="fused tile configurations to try (kernels part)")
     p.add_argument("--e2e-tiles", default="", help="fused tiles for the end-to-end runs (default: the best found, "
                                                    "else the built-in default)")
@@ -471,6 +603,7 @@ def main() -> None:
     p.add_argument("--e2e-ops", type=int, default=1, help="1: also time the e2e model's TP op shapes (kernels part)")
     p.add_argument("--e2e-profile", type=int, default=1, help="1: profile one step per e2e mode (top GPU kernels)")
     p.add_argument("--out", default="", help="JSON results (written after every measurement); .md beside it")
+    p.add_argument("--diag-seconds", type=float, default=0.4, help="diag: seconds per clocked variant")
     p.add_argument("--watchdog", type=float, default=0, help="dump stacks and exit after this many seconds")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -500,15 +633,18 @@ def main() -> None:
     HOOKS["save"] = save
     log(f"{result['device']} x{world}, torch {result['torch']}, triton {triton_version}, env {result['env']}")
     parts = args.part.split(",")
-    if "kernels" in parts:
+    if "kernels" in parts or "diag" in parts:
         comms = {}
         for mode in ("none", "async_tp", "fused"):
             attempt(comms, mode, lambda: TPComm(dist.group.WORLD, mode))
         comms = {k: v for k, v in comms.items() if isinstance(v, TPComm)}
         HOOKS["comms"] = comms
+    if "kernels" in parts:
         run_kernels(args, comms, world, result, save)
         if not args.e2e_tiles:
             args.e2e_tiles = result.get("best_tiles", "")
+    if "diag" in parts:
+        run_diag(args, comms, world, result, save)
     if "e2e" in parts:
         run_e2e(args, world, result, save)
     save()
