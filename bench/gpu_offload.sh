@@ -16,6 +16,8 @@
 #         estimate runs ~40% high) with clipping off, then micro 12. Without accumulation: an fp32 accumulator
 #         would take the host to ~122 GB for a 7B. (Micro 12 ran out of GPU memory on 2026-11-30.)
 #   b8, b10  (b) one trial: micro-batch 8, or 10.
+#   bmax  (b) micro-batch 12, else 10, with expandable segments (the loss in pieces of 8192 tokens since
+#         2026-11-30: one piece's logits alive instead of the micro-batch's).
 #   c     (c) the whole machine: 14b at batch 4 with the smallest offload_ratio the memory plan fits.
 #   test  the GPU offload test (tests/test_offload.py -m gpu), verbose with durations.
 set -uo pipefail
@@ -51,6 +53,13 @@ for s in ${stages//,/ }; do
          --timeout 100
        stage 110 "(b) 7b, micro 12" --part b --sizes 7b --big-batch 12 --micro 12 --clips 0 --steps 3 --warmup 2 \
          --timeout 100 ;;
+    bmax) # the largest micro-batch that trains: 12, else 10 (expandable segments: the micro-10 OOM of 2026-11-30
+          # asked for 430 MiB with 4.7 GB under the cap, i.e. fragmentation)
+          for m in 12 10; do
+            PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage 100 "(b) 7b, micro $m" --part b --sizes 7b \
+              --big-batch $m --micro $m --clips 0 --steps 3 --warmup 2 --timeout 95
+            python3 -c "import json,sys; r=json.load(open('$json'))['runs'][-1]; sys.exit('error' in r)" && break
+          done ;;
     b8|b10) stage 110 "(b) 7b, micro ${s#b}" --part b --sizes 7b --big-batch ${s#b} --micro ${s#b} --clips 0 --steps 3 \
               --warmup 2 --timeout 100 ;;
     c) stage 200 "(c) 14b" --part c --sizes 14b --c-batch 4 --clips 0 --steps 3 --warmup 2 --timeout 190 ;;

@@ -125,6 +125,9 @@ class MemoryConfig:
     offload_ratio: float = 1.0  # share of the parameters whose optimizer step runs on the CPU; the rest on the GPU
     offload_threads: int = 0  # CPU threads of the offloaded step; 0 = this rank's share of the cores, minus one
     check_fit: bool = True  # refuse, before training starts, a plan that cannot fit GPU or host memory
+    # The loss in pieces of this many tokens, each recomputed in backward (only one piece's fp32 logits alive).
+    # 0 = auto: 8192 with activation checkpointing (memory first), else the whole micro-batch at once.
+    loss_chunk_tokens: int = 0
 
 
 @dataclass
@@ -414,6 +417,7 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     mem.activation_checkpointing = ac
     need(0.0 <= mem.offload_ratio <= 1.0, f"memory.offload_ratio must be in [0, 1], got {mem.offload_ratio}")
     need(mem.offload_threads >= 0, f"memory.offload_threads must be >= 0, got {mem.offload_threads}")
+    need(mem.loss_chunk_tokens >= 0, f"memory.loss_chunk_tokens must be >= 0 (0 = auto), got {mem.loss_chunk_tokens}")
     # The offload engine assumes FSDP2's sharding (disjoint shards, one gradient per step); tensor parallelism
     # replicates some parameters across ranks, which its norm would count twice.
     need(not (mem.offload and cfg.parallel.tp > 1), "memory.offload does not combine with parallel.tp > 1 yet")

@@ -351,6 +351,41 @@ def test_plan_numbers_for_a_7b_on_a_24_gib_gpu():
     print(err.value)
 
 
+def test_chunked_loss_matches_the_whole_loss_and_keeps_one_piece_of_logits():
+    """memory.loss_chunk_tokens: the same mean (ignored targets included) and gradients, and the logits of one
+    piece saved for backward instead of the micro-batch's."""
+    from holotrain.model import Llama, LlamaArgs
+
+    model = Llama(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512,
+                            max_seq_len=64))
+    model.init_weights(seed=3)
+    tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+    targets = tokens[:, 1:].clone()
+    targets[0, :7] = -100
+
+    def run(chunk):
+        model.zero_grad()
+        model.loss_chunk_tokens = chunk
+        largest = 0
+
+        def pack(t):
+            nonlocal largest
+            largest = max(largest, t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens[:, :-1], targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, largest
+
+    whole, g_whole, big_whole = run(0)
+    chunked, g_chunked, big_chunked = run(40)  # 128 tokens: 4 pieces, the last one short
+    assert torch.allclose(whole, chunked, atol=1e-6, rtol=0)
+    for name in g_whole:
+        assert torch.allclose(g_whole[name], g_chunked[name], atol=1e-6, rtol=0), name
+    assert big_whole == 128 * 512 and big_chunked < 128 * 512  # the largest saved tensor: the logits
+
+
 # --------------------------------------------------------------------------------------------
 # GPU
 

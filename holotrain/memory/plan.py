@@ -125,11 +125,21 @@ def gpu_available_bytes(device: torch.device) -> int:
 # What is needed
 
 
+def loss_chunk_tokens(cfg) -> int:
+    """memory.loss_chunk_tokens with auto (0) resolved: 8192 under activation checkpointing (memory first), else 0
+    (the whole micro-batch at once: no recomputed head)."""
+    n = cfg.memory.loss_chunk_tokens
+    if n == 0 and cfg.memory.activation_checkpointing != "none":
+        n = 8192
+    return n
+
+
 def activation_bytes(cfg, micro: int, elem_bytes: int) -> int:
     """Estimate of the activation memory of one micro-batch. A compiled block keeps about 7*dim + 2*ffn values
     per token (measured on the 1.4b model on an H200: 24 GB for B=8, T=2048, with the logits); a checkpointed
     block keeps only its input, and one block at a time is recomputed; the loss keeps the logits in bf16 and in
-    fp32 and their gradient (about 8 bytes per token and vocabulary entry). Eager blocks keep somewhat more."""
+    fp32 and their gradient (about 8 bytes per token and vocabulary entry), of one piece when it is taken in pieces.
+    Eager blocks keep somewhat more."""
     m = cfg.model
     tokens = micro * cfg.data.seq_len
     per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim)
@@ -137,7 +147,8 @@ def activation_bytes(cfg, micro: int, elem_bytes: int) -> int:
     blocks = (m.n_layers - recomputed) * per_block + recomputed * tokens * elem_bytes * m.dim
     if recomputed:
         blocks += per_block
-    return blocks + tokens * m.vocab_size * 8
+    chunk = loss_chunk_tokens(cfg)  # the logits of one piece when the loss is chunked, else the micro-batch's
+    return blocks + (min(tokens, chunk) if chunk else tokens) * m.vocab_size * 8
 
 
 @dataclass

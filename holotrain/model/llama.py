@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
@@ -189,6 +190,8 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.residual_in_autocast_dtype = True
+        # > 0: the loss is taken in pieces of this many tokens, each recomputed in backward (see `loss`).
+        self.loss_chunk_tokens = 0
         if not self.output.weight.is_meta:  # a model built on "meta" is initialized after placement
             self.init_weights()
 
@@ -260,10 +263,30 @@ class Llama(nn.Module):
         return self.loss(h, targets)
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Final norm, output head and mean cross-entropy (in fp32) over targets other than -100,
-        a unit that compiles into few kernels."""
+        """Final norm, output head and mean cross-entropy (in fp32) over targets other than -100.
+
+        With `loss_chunk_tokens` > 0 and more tokens than that, the tokens are taken in pieces of that many, each
+        recomputed in backward: the fp32 logits (and their gradient) of only one piece are alive at a time, not
+        the micro-batch's (a 7B's micro-batch of 12 x 2048 tokens: ~6 GB less). The result is the same mean.
+        """
+        h, targets = h.flatten(0, 1), targets.flatten(0, 1)
+        n = self.loss_chunk_tokens
+        if n <= 0 or h.shape[0] <= n:
+            total, count = self.loss_sum(h, targets)
+        else:
+            total = count = 0
+            for lo in range(0, h.shape[0], n):
+                piece_total, piece_count = torch.utils.checkpoint.checkpoint(
+                    self.loss_sum, h[lo:lo + n], targets[lo:lo + n], use_reentrant=False)
+                total, count = total + piece_total, count + piece_count
+        return total / count
+
+    def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the cross-entropies, number of targets other than -100) of tokens h [N, D]: the unit that is
+        compiled into few kernels."""
         logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100)
+        total = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+        return total, (targets != -100).sum()
 
 
 def _done(item):

@@ -16,7 +16,7 @@ from holotrain.config import Config, ConfigError, batch_layout, resolve
 from holotrain.hw import peak_bf16_flops
 from holotrain.memory import apply_activation_checkpointing
 from holotrain.memory.offload import OffloadEngine
-from holotrain.memory.plan import check_fit
+from holotrain.memory.plan import check_fit, loss_chunk_tokens
 from holotrain.model import Llama, LlamaArgs, flops_per_token, num_params
 from holotrain.parallel import DistEnv, apply_fsdp, init_distributed
 from holotrain.parallel.launch import destroy_distributed, device_mesh
@@ -73,12 +73,18 @@ def apply_compute_levers(model: torch.nn.Module, cfg: Config) -> None:
     """Activation checkpointing and compilation, applied to the plain (or tensor-parallel) model before sharding."""
     if cfg.memory.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
+    # (Tensor parallelism has its own vocabulary-parallel loss, which holds 1/tp of the logits: never chunked.)
+    model.loss_chunk_tokens = loss_chunk_tokens(cfg) if cfg.parallel.tp == 1 else 0
     if cfg.training.compile:
-        # Regional compilation: each block (identical code, compiled once) and the loss head. Keeps
-        # parameter names, composes with FSDP2's per-block hooks, and compiles in seconds, not minutes.
+        # Regional compilation: each block (identical code, compiled once) and the loss head (the whole loss, or
+        # the unit of a chunked one). Keeps parameter names, composes with FSDP2's per-block hooks, and compiles
+        # in seconds, not minutes.
         for block in model.layers.values():
             block.compile()
-        model.loss = torch.compile(model.loss)
+        if model.loss_chunk_tokens:
+            model.loss_sum = torch.compile(model.loss_sum)
+        else:
+            model.loss = torch.compile(model.loss)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, env: DistEnv | None = None,
