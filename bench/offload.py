@@ -11,7 +11,7 @@ trains under a GPU cap and on the whole machine; and the CPU step's pieces on th
                  chooses (the smallest that fits host and GPU, so the CPU does the least work), raised by 0.05 on a
                  GPU OOM, lowered on a host OOM.
   (cpu) --part cpu  no GPU needed: the engine's host-side loops (landing, accumulation, AdamW update) as they were
-                 (torch ops) and as they are (compiled one-pass loops on a thread pool), in G params/s and ms per
+                 (torch ops) and as they are (compiled one-pass loops on native threads), in G params/s and ms per
                  1.36B parameters, with host memcpy and torch's fused AdamW as ceilings, a thread sweep and the
                  update under a Python-busy thread (the GIL).
 
@@ -529,7 +529,7 @@ def cpu_part(args, out: Path, meta: dict) -> None:
     model), each timed in a thread other than the main one, as the engine's worker runs them, the best of
     --cpu-reps. "before" is the engine as it was (torch ops: per-chunk vector_norm at landing, three passes per
     update chunk on the worker's intra-op pool), "after" as it is (the norm comes from the GPU with one landing per
-    step; compiled one-pass loops on a pool of threads). Also: a thread sweep, host memcpy and torch's fused AdamW
+    step; compiled one-pass loops on native threads). Also: a thread sweep, host memcpy and torch's fused AdamW
     on fp32 gradients (what `holotrain hw probe` measures, on a few parameters that may sit in cache), and the
     update while another thread runs Python (the GIL: a compiled model's launching thread)."""
     import threading
@@ -612,6 +612,31 @@ def cpu_part(args, out: Path, meta: dict) -> None:
     huge[0].copy_(master)
     huge[1].zero_()
     huge[2].zero_()
+    def python_thread_slices(threads: int):
+        """The update as the engine ran it until native threads: Python threads, two slices each, every slice a
+        ctypes call that needs the GIL back when it returns (a Python-busy training thread holds it for up to
+        the 5 ms switch interval each time)."""
+        fn = kernels.lib.adamw_g16_o16
+        b1, b2, t = hp["betas"][0], hp["betas"][1], hp["t"]
+        consts = (1 - hp["lr"] * hp["weight_decay"], 1 - b1, 1, b2, 1 - b2, hp["lr"] / (1 - b1 ** t),
+                  math.sqrt(1 - b2 ** t), hp["eps"], 1.0)
+        count = 2 * threads
+        bounds = [n * k // count // 64 * 64 for k in range(count)] + [n]
+        order = iter(range(count))
+
+        def drain():
+            for k in order:
+                lo, hi = bounds[k], bounds[k + 1]
+                fn(off._ptr(master, lo), off._ptr(m, lo), off._ptr(v, lo), off._ptr(g16, lo), off._ptr(up, lo),
+                   hi - lo, *consts)
+
+        helpers = [threading.Thread(target=drain) for _ in range(threads - 1)]
+        for h in helpers:
+            h.start()
+        drain()
+        for h in helpers:
+            h.join()
+
     emit("memcpy fp32 (GB/s = 8 bytes/param x this)", top, timed(lambda: acc.copy_(master), top))
     emit("torch fused AdamW, fp32 grads (hw probe)", top,
          timed(lambda: torch._fused_adamw_([master], [acc], [m], [v], [], [torch.tensor(10.0)], lr=1e-4, beta1=0.9,
@@ -624,27 +649,27 @@ def cpu_part(args, out: Path, meta: dict) -> None:
     if kernels is None:
         return
     for threads in sweep:
-        pool = off.CpuPool(threads)
         emit("update after: compiled, one pass", threads,
-             timed(lambda pool=pool: off.adamw_flat(master, m, v, g16, up, **hp, kernels=kernels, pool=pool), 1))
+             timed(lambda k=threads: off.adamw_flat(master, m, v, g16, up, **hp, kernels=kernels, threads=k), 1))
         if threads == top:
             emit("update after, a Python-busy thread", threads,
-                 timed(lambda pool=pool: off.adamw_flat(master, m, v, g16, up, **hp, kernels=kernels, pool=pool), 1,
+                 timed(lambda k=threads: off.adamw_flat(master, m, v, g16, up, **hp, kernels=kernels, threads=k), 1,
                        busy=True))
+            emit("update on Python threads, one ctypes call per slice (until 2026-11-30), a Python-busy thread",
+                 threads, timed(lambda k=threads: python_thread_slices(k), 1, busy=True))
             emit("update after, masters and moments on huge pages", threads,
-                 timed(lambda pool=pool: off.adamw_flat(*huge, g16, up, **hp, kernels=kernels, pool=pool), 1))
+                 timed(lambda k=threads: off.adamw_flat(*huge, g16, up, **hp, kernels=kernels, threads=k), 1))
             emit("accumulate+norm after: compiled, one pass", threads,
-                 timed(lambda pool=pool: off.accumulate_flat(acc, g16, False, kernels=kernels, pool=pool), 1))
+                 timed(lambda k=threads: off.accumulate_flat(acc, g16, False, kernels=kernels, threads=k), 1))
             if torch.cuda.is_available():  # the engine's staging and upload buffers are page-locked host memory
                 g_locked, up_locked = off._pinned_empty(n, torch.bfloat16), off._pinned_empty(n, torch.bfloat16)
                 g_locked.copy_(g16)
                 up_locked.zero_()
                 emit("update after, gradient + upload page-locked", threads,
-                     timed(lambda pool=pool, g=g_locked, o=up_locked: off.adamw_flat(master, m, v, g, o, **hp,
-                                                                                      kernels=kernels, pool=pool), 1))
+                     timed(lambda k=threads, g=g_locked, o=up_locked: off.adamw_flat(master, m, v, g, o, **hp,
+                                                                                      kernels=kernels, threads=k), 1))
                 for t in (g_locked, up_locked):
                     off._unregister(t)
-        pool.close()
 
 
 def _device_name(device: str) -> str:

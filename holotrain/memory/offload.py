@@ -14,9 +14,9 @@ A step, on one GPU:
                and at the last one takes the sum's squared norm in the same pass), then *updates* it: AdamW on
                flat fp32 buffers in one pass that reads the gradient in its own dtype (bf16) and writes the new
                weights in the working dtype into an upload buffer as it goes. The loops are C compiled once per
-               host (`cpu_kernels`, torch's fused AdamW math), called through ctypes, which releases the GIL, on
-               slices run by a pool of `memory.offload_threads` threads; without a C compiler, torch ops in
-               chunks (three passes). The upload buffer is copied into the working weights on a second side
+               host (`cpu_kernels`, torch's fused AdamW math), called through ctypes once per bucket: the call
+               releases the GIL and runs the bucket on `memory.offload_threads` native threads, so Python on the
+               training thread never holds it up; without a C compiler, torch ops in chunks (three passes). The upload buffer is copied into the working weights on a second side
                stream ("H2D").
   order        Landings whose copy is done come first; then, among landed buckets, the update the next forward
                needs first; a landing still waiting for its copy only when there is nothing else (the host runs
@@ -62,11 +62,9 @@ import contextlib
 import ctypes
 import functools
 import hashlib
-import itertools
 import math
 import os
 import platform
-import queue
 import subprocess
 import tempfile
 import threading
@@ -179,11 +177,13 @@ def _chunks(n: int):
 # math (the same float operations in the same order: bitwise equal to torch._fused_adamw_ where the two compile
 # alike). torch ops would need three passes per chunk (bf16 -> fp32 scratch, AdamW, fp32 -> bf16), each a
 # parallel region forked from the worker thread, which also has to take the GIL back between them. Compiled once
-# per host with the system C compiler and called through ctypes, which releases the GIL for the call; slices of a
-# bucket run on a small thread pool.
+# per host with the system C compiler and called through ctypes, which releases the GIL for the call; the call
+# runs the whole bucket on native threads (a pool of Python threads would each need the GIL back between slices).
 _KERNEL_SOURCE = r"""
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -261,6 +261,90 @@ ADAMW(adamw_g32_o32, float, LOAD_G32, float, STORE_O32)
   }
 ACCUMULATE(accumulate_g16, uint16_t, LOAD_G16)
 ACCUMULATE(accumulate_g32, float, LOAD_G32)
+
+/* The threaded drivers: one call per bucket runs it on `threads` native threads (the caller and threads - 1
+   helpers), so the GIL is released once for the whole bucket rather than taken back by every slice: a training
+   thread that runs Python all through backward no longer holds up the update. Blocks of BLOCK elements (a
+   multiple of 64, cache-line aligned in every buffer) are handed out by an atomic counter, so a thread that
+   loses its core delays only the block it holds. The accumulation's sums of squares are kept per block and added
+   in block order: the same result whatever the thread count or timing. */
+#define BLOCK ((int64_t)1 << 16)
+typedef struct {
+  int kind; /* 0..5: adamw_g{16,32}_o{0,16,32}; 6, 7: accumulate_g{16,32} */
+  float *p, *m, *v;
+  const void* g;
+  void* out;
+  int64_t n;
+  float decay, w1, b2, c2, step_size, bc2_sqrt, eps, scale;
+  int small, first;
+  double* block_sq;
+  int64_t next; /* the next block to take (atomic) */
+} job_t;
+
+static void run_block(job_t* j, int64_t b) {
+  const int64_t lo = b * BLOCK, len = (j->n - lo < BLOCK) ? j->n - lo : BLOCK;
+  const uint16_t* g16 = (const uint16_t*)j->g + lo;
+  const float* g32 = (const float*)j->g + lo;
+  float *p = j->p + lo, *m = j->m + lo, *v = j->v + lo;
+#define ARGS len, j->decay, j->w1, j->small, j->b2, j->c2, j->step_size, j->bc2_sqrt, j->eps, j->scale
+  switch (j->kind) {
+    case 0: adamw_g16_o0(p, m, v, g16, (uint16_t*)j->out, ARGS); break;
+    case 1: adamw_g16_o16(p, m, v, g16, (uint16_t*)j->out + lo, ARGS); break;
+    case 2: adamw_g16_o32(p, m, v, g16, (float*)j->out + lo, ARGS); break;
+    case 3: adamw_g32_o0(p, m, v, g32, (uint16_t*)j->out, ARGS); break;
+    case 4: adamw_g32_o16(p, m, v, g32, (uint16_t*)j->out + lo, ARGS); break;
+    case 5: adamw_g32_o32(p, m, v, g32, (float*)j->out + lo, ARGS); break;
+    case 6: j->block_sq[b] = accumulate_g16(p, g16, len, j->first); break;
+    default: j->block_sq[b] = accumulate_g32(p, g32, len, j->first); break;
+  }
+#undef ARGS
+}
+
+static void* drain(void* arg) {
+  job_t* j = (job_t*)arg;
+  const int64_t blocks = (j->n + BLOCK - 1) / BLOCK;
+  for (;;) {
+    const int64_t b = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+    if (b >= blocks) return NULL;
+    run_block(j, b);
+  }
+}
+
+/* Runs the job on up to `threads` threads; returns 0, or -1 if no thread could be started (nothing done). */
+static int run_job(job_t* j, int threads) {
+  const int64_t blocks = (j->n + BLOCK - 1) / BLOCK;
+  if (threads > blocks) threads = (int)blocks;
+  if (threads > 256) threads = 256;
+  pthread_t helpers[256];
+  int started = 0;
+  j->next = 0;
+  for (int t = 1; t < threads; t++) {
+    if (pthread_create(&helpers[started], NULL, drain, j) == 0) started++;
+  }
+  drain(j);
+  for (int t = 0; t < started; t++) pthread_join(helpers[t], NULL);
+  return 0;
+}
+
+int adamw_mt(int kind, float* p, float* m, float* v, const void* g, void* out, int64_t n, float decay, float w1,
+             int small, float b2, float c2, float step_size, float bc2_sqrt, float eps, float scale, int threads) {
+  job_t j = {kind, p, m, v, g, out, n, decay, w1, b2, c2, step_size, bc2_sqrt, eps, scale, small, 0, NULL, 0};
+  return run_job(&j, threads);
+}
+
+/* acc = s (first) or acc + s; *sq = the sum of squares of the new acc. Returns 0, or -1 if out of memory. */
+int accumulate_mt(int kind, float* acc, const void* s, int64_t n, int first, int threads, double* sq) {
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  double* block_sq = (double*)calloc(blocks > 0 ? (size_t)blocks : 1, sizeof(double));
+  if (block_sq == NULL) return -1;
+  job_t j = {kind, acc, NULL, NULL, s, NULL, n, 0, 0, 0, 0, 0, 0, 0, 1.0f, 0, first, block_sq, 0};
+  run_job(&j, threads);
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; b++) total += block_sq[b];
+  free(block_sq);
+  *sq = total;
+  return 0;
+}
 """
 
 _KERNEL_DTYPES = {torch.bfloat16: "16", torch.float32: "32"}
@@ -280,14 +364,22 @@ class CpuKernels:
             fn = getattr(lib, f"accumulate_g{g}")
             fn.argtypes = [p, p, i64, ctypes.c_int]
             fn.restype = ctypes.c_double
+        i = ctypes.c_int
+        lib.adamw_mt.argtypes = [i, p, p, p, p, p, i64, f, f, i, f, f, f, f, f, f, i]
+        lib.adamw_mt.restype = i
+        lib.accumulate_mt.argtypes = [i, p, p, i64, i, i, ctypes.POINTER(ctypes.c_double)]
+        lib.accumulate_mt.restype = i
 
-    def adamw(self, grad_dtype: torch.dtype, out_dtype: torch.dtype | None):
+    @staticmethod
+    def adamw_kind(grad_dtype: torch.dtype, out_dtype: torch.dtype | None) -> int | None:
+        """The C driver's index of adamw_g{16,32}_o{0,16,32}, or None for dtypes it does not take."""
         g, o = _KERNEL_DTYPES.get(grad_dtype), "0" if out_dtype is None else _KERNEL_DTYPES.get(out_dtype)
-        return None if g is None or o is None else getattr(self.lib, f"adamw_g{g}_o{o}")
+        return None if g is None or o is None else ("16", "32").index(g) * 3 + ("0", "16", "32").index(o)
 
-    def accumulate(self, src_dtype: torch.dtype):
+    @staticmethod
+    def accumulate_kind(src_dtype: torch.dtype) -> int | None:
         g = _KERNEL_DTYPES.get(src_dtype)
-        return None if g is None else getattr(self.lib, f"accumulate_g{g}")
+        return None if g is None else 6 + ("16", "32").index(g)
 
 
 def _kernel_cache_dir() -> str:
@@ -328,7 +420,7 @@ def _compile_kernels() -> CpuKernels:
             attempts.append(["-O3", "-mavx2", "-mfma"])
     else:
         attempts.append(["-O3"])
-    common = ["-std=c11", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+    common = ["-std=gnu11", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
     errors = []
     for flags in attempts:
         key = hashlib.sha256("\0".join([_KERNEL_SOURCE, cc, *flags, *common, machine, signature]).encode()).hexdigest()[:20]
@@ -338,7 +430,7 @@ def _compile_kernels() -> CpuKernels:
                 src, tmp_so = os.path.join(tmp, "kernels.c"), os.path.join(tmp, "kernels.so")
                 with open(src, "w") as f:
                     f.write(_KERNEL_SOURCE)
-                proc = subprocess.run([cc, *flags, *common, src, "-o", tmp_so, "-lm"], capture_output=True, text=True,
+                proc = subprocess.run([cc, *flags, *common, src, "-o", tmp_so, "-lm", "-lpthread"], capture_output=True, text=True,
                                       timeout=120, check=False)
                 if proc.returncode != 0:
                     errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-300:]}")
@@ -398,95 +490,27 @@ def cpu_kernels() -> CpuKernels | None:
         return _kernels_state[0]
 
 
-class CpuPool:
-    """`threads` threads (the caller and threads - 1 daemon helpers) running a function over slices of [0, n): two
-    slices per thread, taken in turn, so a thread that loses its core for a while delays only its own slice. Own
-    threads rather than concurrent.futures, which refuses work once the interpreter starts exiting (the engine
-    finishes its step in an atexit handler)."""
-
-    ALIGN = 64  # elements: slices start on cache lines of every buffer
-
-    def __init__(self, threads: int):
-        self.threads = max(1, int(threads))
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._helpers: list[threading.Thread] = []
-
-    def slices(self, n: int) -> list[tuple[int, int]]:
-        count = max(1, min(2 * self.threads, n // (16 * 1024)))
-        bounds = [n * k // count // self.ALIGN * self.ALIGN for k in range(count)] + [n]
-        return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def map(self, fn, n: int) -> list:
-        """fn(lo, hi) over the slices of [0, n); their results in slice order."""
-        slices = self.slices(n)
-        results = [None] * len(slices)
-        order = iter(range(len(slices)))  # shared: next() on a range iterator is atomic under the GIL
-        errors: list[BaseException] = []
-        done = threading.Semaphore(0)
-
-        def drain():
-            try:
-                for k in order:
-                    results[k] = fn(*slices[k])
-            except BaseException as e:  # noqa: BLE001 - raised by the caller once every thread has stopped
-                errors.append(e)
-
-        def helper():
-            try:
-                drain()
-            finally:
-                done.release()
-
-        helpers = min(self.threads, len(slices)) - 1
-        while len(self._helpers) < helpers:
-            t = threading.Thread(target=self._serve, name=f"holotrain-offload-cpu-{len(self._helpers)}", daemon=True)
-            t.start()
-            self._helpers.append(t)
-        for _ in range(helpers):
-            self._jobs.put(helper)
-        drain()
-        for _ in range(helpers):
-            done.acquire()
-        if errors:
-            raise errors[0]
-        return results
-
-    def close(self) -> None:
-        for _ in self._helpers:
-            self._jobs.put(None)
-        for t in self._helpers:
-            t.join()
-        self._helpers = []
-
-
 def _ptr(t: torch.Tensor | None, lo: int):
     return None if t is None else t.data_ptr() + lo * t.element_size()
 
 
 def adamw_flat(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                out: torch.Tensor | None, *, lr: float, betas: tuple[float, float], weight_decay: float, eps: float,
-               t: int, scale: float = 1.0, kernels: CpuKernels | None = None, pool: CpuPool | None = None,
+               t: int, scale: float = 1.0, kernels: CpuKernels | None = None, threads: int = 1,
                scratch: torch.Tensor | None = None) -> None:
     """One AdamW step (torch's fused math) of flat contiguous fp32 buffers, the gradient (fp32 or bf16) divided by
-    `scale`; with `out`, also writes the new weights in out's dtype. The compiled loop in one pass when `kernels`
-    has it, else torch ops chunk by chunk (gradient -> fp32 scratch, fused AdamW, weights -> out)."""
+    `scale`; with `out`, also writes the new weights in out's dtype. The compiled loop in one pass on `threads`
+    native threads when `kernels` has it (the GIL released once for the whole call), else torch ops chunk by chunk
+    (gradient -> fp32 scratch, fused AdamW, weights -> out)."""
     b1, b2 = betas
-    fn = kernels.adamw(grad.dtype, None if out is None else out.dtype) if kernels is not None else None
-    if fn is not None:
+    kind = kernels.adamw_kind(grad.dtype, None if out is None else out.dtype) if kernels is not None else None
+    if kind is not None:
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         w1 = 1 - b1
-        consts = (1 - lr * weight_decay, w1, int(abs(float(torch.tensor(w1, dtype=torch.float32))) < 0.5), b2, 1 - b2,
-                  lr / bc1, math.sqrt(bc2), eps, scale)
-
-        def run(lo, hi):
-            fn(_ptr(master, lo), _ptr(exp_avg, lo), _ptr(exp_avg_sq, lo), _ptr(grad, lo), _ptr(out, lo), hi - lo,
-               *consts)
-
-        (pool or CpuPool(1)).map(run, master.numel())
+        small = int(abs(float(torch.tensor(w1, dtype=torch.float32))) < 0.5)
+        kernels.lib.adamw_mt(kind, _ptr(master, 0), _ptr(exp_avg, 0), _ptr(exp_avg_sq, 0), _ptr(grad, 0),
+                             _ptr(out, 0), master.numel(), 1 - lr * weight_decay, w1, small, b2, 1 - b2, lr / bc1,
+                             math.sqrt(bc2), eps, scale, max(1, threads))
         return
     n = master.numel()
     if scratch is None and grad.dtype != torch.float32:
@@ -506,15 +530,16 @@ def adamw_flat(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
 
 
 def accumulate_flat(acc: torch.Tensor, src: torch.Tensor, first: bool, *, kernels: CpuKernels | None = None,
-                    pool: CpuPool | None = None, scratch: torch.Tensor | None = None, want_sq: bool = True) -> float:
+                    threads: int = 1, scratch: torch.Tensor | None = None, want_sq: bool = True) -> float:
     """acc = src (first) or acc + src (fp32; src fp32 or bf16), in one pass; returns the new acc's sum of squares
     (0.0 without want_sq on the torch-op path)."""
-    fn = kernels.accumulate(src.dtype) if kernels is not None else None
-    if fn is not None:
-        def run(lo, hi):
-            return fn(_ptr(acc, lo), _ptr(src, lo), hi - lo, int(first))
-
-        return math.fsum((pool or CpuPool(1)).map(run, acc.numel()))
+    kind = kernels.accumulate_kind(src.dtype) if kernels is not None else None
+    if kind is not None:
+        sq = ctypes.c_double(0.0)
+        if kernels.lib.accumulate_mt(kind, _ptr(acc, 0), _ptr(src, 0), acc.numel(), int(first), max(1, threads),
+                                     ctypes.byref(sq)) != 0:
+            raise MemoryError("offload: the accumulation could not allocate its per-block sums")
+        return sq.value
     n = acc.numel()
     if scratch is None and src.dtype != torch.float32:
         scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
@@ -683,7 +708,6 @@ class OffloadEngine:
         # which, for the metrics' readers.
         self._kernels = cpu_kernels()
         self.kernel = "c" if self._kernels is not None else "torch"
-        self._pool = CpuPool(self.threads)
 
         self._handles = []
         for b in self.buckets:
@@ -796,7 +820,6 @@ class OffloadEngine:
             self._stop = True
             self._lock.notify_all()
         self._thread.join()
-        self._pool.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -992,7 +1015,7 @@ class OffloadEngine:
         else:
             # Micro-batches add up in fp32, one pass each; the last one also takes the sum's squared norm.
             last = m == step.landings - 1
-            sq = accumulate_flat(b.acc, b.staging, m == 0, kernels=self._kernels, pool=self._pool,
+            sq = accumulate_flat(b.acc, b.staging, m == 0, kernels=self._kernels, threads=self.threads,
                                  scratch=self._scratch, want_sq=last)
             grad = b.acc
             with self._lock:
@@ -1043,7 +1066,7 @@ class OffloadEngine:
         upload = self._upload_buffer() if (to_upload and self.cuda) else None
         adamw_flat(b.master, b.exp_avg, b.exp_avg_sq, b.grad, None if upload is None else upload.data[:b.numel],
                    lr=step.lr, betas=self.betas, weight_decay=self.weight_decay, eps=self.eps, t=step.t, scale=scale,
-                   kernels=self._kernels, pool=self._pool, scratch=self._scratch)
+                   kernels=self._kernels, threads=self.threads, scratch=self._scratch)
         b.version += 1
         return upload
 
