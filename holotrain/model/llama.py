@@ -207,19 +207,22 @@ class Llama(nn.Module):
         std = 0.02
         residual_std = std / math.sqrt(2 * self.args.n_layers)
 
-        def draw(name: str, p: torch.Tensor) -> torch.Tensor:
-            # A whole fp32 parameter on the host is drawn into in place; anything else through a temporary.
+        def draw(name: str, p: torch.Tensor) -> torch.Tensor | None:
+            """The parameter's values: drawn straight into a whole fp32 parameter on the host (None returned),
+            else into a temporary that is returned, to be copied in."""
             in_place = type(p) is nn.Parameter and p.device.type == "cpu" and p.dtype == torch.float32
             full = p.data if in_place else torch.empty(p.shape, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                return full.fill_(1.0)
-            generator = None
-            if seed is not None:
-                # The plain model's name: wrappers (activation checkpointing, compile) do not change the weights.
-                plain = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
-                generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(plain.encode())) % 2**63)
-            return full.normal_(0.0, residual_std if name.endswith(("wo.weight", "w2.weight")) else std,
-                                generator=generator)
+                full.fill_(1.0)
+            else:
+                generator = None
+                if seed is not None:
+                    # The plain model's name: wrappers (activation checkpointing, compile) do not change the weights.
+                    plain = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+                    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(plain.encode())) % 2**63)
+                full.normal_(0.0, residual_std if name.endswith(("wo.weight", "w2.weight")) else std,
+                             generator=generator)
+            return None if in_place else full
 
         params = list(self.named_parameters())
         workers = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, 32))
@@ -228,9 +231,9 @@ class Llama(nn.Module):
             for name, p in params:
                 pending.append((p, pool.submit(draw, name, p)))
                 if len(pending) >= 2 * workers:  # bounded: at most 2 x workers whole tensors in flight
-                    _copy_full_into(*_done(pending.popleft()))
+                    _copy_drawn(pending.popleft())
             while pending:
-                _copy_full_into(*_done(pending.popleft()))
+                _copy_drawn(pending.popleft())
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -289,9 +292,11 @@ class Llama(nn.Module):
         return total, (targets != -100).sum()
 
 
-def _done(item):
+def _copy_drawn(item) -> None:
     param, future = item
-    return param, future.result()
+    full = future.result()
+    if full is not None:  # None: drawn in place
+        _copy_full_into(param, full)
 
 
 @contextlib.contextmanager
@@ -309,8 +314,6 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a whole (unsharded) tensor into a parameter, which may be a DTensor shard (FSDP2)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if full is param.data:
-        return  # drawn in place
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank holds the same full tensor and keeps its own slice, no communication.
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
