@@ -16,8 +16,8 @@ A step, on one GPU:
                weights in the working dtype into an upload buffer as it goes. The loops are C compiled once per
                host (`cpu_kernels`, torch's fused AdamW math), called through ctypes once per bucket: the call
                releases the GIL and runs the bucket on `memory.offload_threads` native threads, so Python on the
-               training thread never holds it up; without a C compiler, torch ops in chunks (three passes). The upload buffer is copied into the working weights on a second side
-               stream ("H2D").
+               training thread never holds it up; without a C compiler, torch ops in chunks (three passes). The
+               upload buffer is copied into the working weights on a second side stream ("H2D").
   order        Landings whose copy is done come first; then, among landed buckets, the update the next forward
                needs first; a landing still waiting for its copy only when there is nothing else (the host runs
                ahead of the GPU in backward and queues every copy early: waiting for each in turn would keep the
@@ -310,7 +310,8 @@ static void* drain(void* arg) {
   }
 }
 
-/* Runs the job on up to `threads` threads; returns 0, or -1 if no thread could be started (nothing done). */
+/* Runs the job on up to `threads` threads: the caller drains blocks too, so the job completes even if no helper
+   thread could be started. Returns 0. */
 static int run_job(job_t* j, int threads) {
   const int64_t blocks = (j->n + BLOCK - 1) / BLOCK;
   if (threads > blocks) threads = (int)blocks;
