@@ -454,10 +454,14 @@ def run_e2e(args, world, result, save):
     rank, local = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     env = DistEnv(rank=rank, world_size=world, local_rank=local, device=torch.device("cuda", local))
     rows = result.setdefault("e2e", [])
-    for mode in args.modes.split(","):
-        row = {"mode": mode, "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "tp": world}
+    runs = [(mode, int(c)) for mode in args.modes.split(",") for c in args.e2e_compile.split(",")]
+    for mode, compiled in runs:
+        # Compiled: regional compile of the blocks; the TP layers stay out of the graphs (compiler-disabled), so
+        # each block compiles into the pieces between them.
+        row = {"mode": mode + ("+compile" if compiled else ""), "overlap": mode, "compile": bool(compiled),
+               "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "tp": world}
         overrides = [f"--model.preset={args.preset}", f"--data.seq_len={args.seq_len}",
-                     f"--training.batch_size={args.batch}", "--training.compile=false",
+                     f"--training.batch_size={args.batch}", f"--training.compile={'true' if compiled else 'false'}",
                      f"--parallel.tp={world}", f"--parallel.tp_overlap={mode}"]
         if hasattr(MemoryConfig(), "check_fit"):
             overrides.append("--memory.check_fit=false")  # a throughput run: no memory planner in the way
@@ -600,6 +604,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--e2e-steps", type=int, default=8)
     p.add_argument("--e2e-warmup", type=int, default=3)
+    p.add_argument("--e2e-compile", default="0", help="end-to-end: training.compile values to run each mode with, "
+                                                        "comma list of 0 / 1")
     p.add_argument("--e2e-ops", type=int, default=1, help="1: also time the e2e model's TP op shapes (kernels part)")
     p.add_argument("--e2e-profile", type=int, default=1, help="1: profile one step per e2e mode (top GPU kernels)")
     p.add_argument("--out", default="", help="JSON results (written after every measurement); .md beside it")
