@@ -319,6 +319,15 @@ def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
         policy("--memory.activation_checkpointing=most")
     with pytest.raises(ConfigError, match=r"memory.offload_ratio must be in \[0, 1\]"):
         policy("--memory.offload_ratio=1.5")
+    with pytest.raises(ConfigError, match=r"memory.loss_chunk_tokens must be >= 0 \(0 = auto\), got -1"):
+        policy("--memory.loss_chunk_tokens=-1")
+    from holotrain.memory.plan import loss_chunk_tokens
+
+    def chunk(*overrides):
+        return loss_chunk_tokens(resolve(load_config(None, list(overrides)), tokenizer_vocab=300))
+
+    assert chunk() == 0 and chunk("--memory.activation_checkpointing=full") == 8192  # auto
+    assert chunk("--memory.loss_chunk_tokens=4096") == 4096
 
 
 def test_plan_numbers_for_a_7b_on_a_24_gib_gpu():
