@@ -496,17 +496,16 @@ def main():
         for shape in sizes:
             # No accumulation if the plan allows (an fp32 accumulator would cost the host 4 more bytes per
             # parameter); the smallest ratio that fits, so the CPU does the least work.
-            micro, ratios = batch, []
+            micro, r = batch, None
             for micro in [m for m in (16, 8, 4, 2, 1) if m <= batch and batch % m == 0]:
                 if args.micro and micro != args.micro:
                     continue
-                ratios = fitting_ratios(shape, args, batch, micro)
-                if ratios:
+                r = auto_ratio(shape, args, batch, micro)
+                if r is not None:
                     break
-            if not ratios:
+            if r is None:
                 print(f"(c): the memory plan finds no offload_ratio for {shape}; trying 0.5", flush=True)
-                ratios = [0.5]
-            r = min(ratios)
+                r = 0.5
             tried, trained = set(), False
             while r not in tried and 0 <= r <= 1 and len(tried) < 4:
                 tried.add(r)
@@ -704,11 +703,12 @@ def gpu_free_bytes(args) -> float | None:
     return (free - 2**30) * 0.95
 
 
-def fitting_ratios(shape: str, args, batch: int, micro: int) -> list[float]:
-    """The offload ratios (in steps of 0.01) for which the memory plan fits this machine."""
+def auto_ratio(shape: str, args, batch: int, micro: int) -> float | None:
+    """What memory.offload_ratio = "auto" picks on this machine (the smallest ratio the memory plan fits), or None."""
     import torch
 
-    from holotrain.memory.plan import plan_memory
+    from holotrain.config import ConfigError
+    from holotrain.memory.plan import choose_offload_ratio
     from holotrain.model import Llama
     from holotrain.train.trainer import model_args
 
@@ -717,13 +717,11 @@ def fitting_ratios(shape: str, args, batch: int, micro: int) -> list[float]:
     cfg = _config(spec)
     with torch.device("meta"):
         model = Llama(model_args(cfg))
-    out = []
-    for i in range(101):
-        plan = plan_memory(model, cfg, 1, _device(args.device), micro, batch // micro, ratio=i / 100,
-                           gpu_capacity=gpu_free_bytes(args))
-        if plan.gpu_fits and plan.host_fits:
-            out.append(i / 100)
-    return out
+    try:
+        return choose_offload_ratio(model, cfg, 1, _device(args.device), micro, batch // micro,
+                                    gpu_capacity=gpu_free_bytes(args))
+    except ConfigError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -122,7 +122,9 @@ class MemoryConfig:
     # ZeRO-Offload (holotrain/memory/offload.py): fp32 master weights and AdamW states in CPU memory, working
     # weights on the GPU in the compute dtype, the CPU step overlapped with backward and the next forward.
     offload: bool = False
-    offload_ratio: float = 1.0  # share of the parameters whose optimizer step runs on the CPU; the rest on the GPU
+    # Share of the parameters whose optimizer step runs on the CPU (the last units in forward order); the rest on the
+    # GPU. "auto": the smallest share that the memory plan fits in GPU and host memory (the most work on the GPU).
+    offload_ratio: float | str = 1.0
     offload_threads: int = 0  # CPU threads of the offloaded step; 0 = this rank's share of the cores, minus one
     check_fit: bool = True  # refuse, before training starts, a plan that cannot fit GPU or host memory
     # The loss in pieces of this many tokens, each recomputed in backward (only one piece's fp32 logits alive).
@@ -192,6 +194,12 @@ def _int_list(key: str, value: Any) -> list[int]:
     return value
 
 
+def _type_name(typ: Any) -> str:
+    """'float', or for a union such as float | str: 'float or str'."""
+    args = typing.get_args(typ)
+    return " or ".join(a.__name__ for a in args) if args else getattr(typ, "__name__", str(typ))
+
+
 def _coerce(key: str, value: Any, typ: type) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise ConfigError naming the key."""
     if typ is list:
@@ -211,15 +219,17 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
             if typ is float:
                 return float(text)
         except ValueError:
-            raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}") from None
+            raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}: expected bool, got {value!r}")
     if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{key}: expected int, got {value!r}")
+    if typing.get_args(typ) and float in typing.get_args(typ) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)  # a TOML integer where a number is meant (offload_ratio = 1)
     if not isinstance(value, typ):
-        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
+        raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}")
     return value
 
 
@@ -415,7 +425,17 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(ac in ("none", "full", "selective"),
          f"memory.activation_checkpointing must be none, full or selective, got {mem.activation_checkpointing!r}")
     mem.activation_checkpointing = ac
-    need(0.0 <= mem.offload_ratio <= 1.0, f"memory.offload_ratio must be in [0, 1], got {mem.offload_ratio}")
+    ratio = mem.offload_ratio
+    if isinstance(ratio, str) and ratio.strip().lower() != "auto":
+        try:
+            ratio = float(ratio)
+        except ValueError:
+            raise ConfigError(f'memory.offload_ratio must be a number in [0, 1] or "auto", got {ratio!r}') from None
+    if isinstance(ratio, str):
+        mem.offload_ratio = "auto"  # chosen with the memory plan when the model is built (train.trainer.build_model)
+    else:
+        need(0.0 <= ratio <= 1.0, f"memory.offload_ratio must be in [0, 1], got {ratio}")
+        mem.offload_ratio = float(ratio)
     need(mem.offload_threads >= 0, f"memory.offload_threads must be >= 0, got {mem.offload_threads}")
     need(mem.loss_chunk_tokens >= 0, f"memory.loss_chunk_tokens must be >= 0 (0 = auto), got {mem.loss_chunk_tokens}")
     # The offload engine assumes FSDP2's sharding (disjoint shards, one gradient per step); tensor parallelism

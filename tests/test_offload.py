@@ -362,6 +362,47 @@ def test_plan_numbers_for_a_7b_on_a_24_gib_gpu():
     print(err.value)
 
 
+def test_auto_offload_ratio_is_the_smallest_that_fits():
+    """memory.offload_ratio = "auto": the smallest ratio whose plan fits both memories (given capacities: a 14B
+    Llama with a 141 GB GPU and 112 GB of host RAM, the whole machine of the offload benchmark), and the fit error
+    when no ratio fits."""
+    from holotrain.config import ConfigError, load_config, resolve
+    from holotrain.memory.plan import choose_offload_ratio, plan_memory
+    from holotrain.model import Llama
+    from holotrain.train import model_args
+
+    cfg = resolve(load_config(None, ["--model.dim=5120", "--model.n_layers=44", "--model.n_heads=40",
+                                     "--model.n_kv_heads=40", "--model.ffn_dim=13824", "--data.seq_len=2048",
+                                     "--training.batch_size=4", "--memory.offload=true",
+                                     "--memory.offload_ratio=auto", "--memory.activation_checkpointing=full"]),
+                  tokenizer_vocab=32000)
+    assert cfg.memory.offload_ratio == "auto"
+    cuda = torch.device("cuda")
+    caps = {"gpu_capacity": 132e9, "host_capacity": 112.5e9}
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    ratio = choose_offload_ratio(model, cfg, 1, cuda, 4, 1, **caps)
+    fits = [(p.gpu_fits, p.host_fits) for p in (plan_memory(model, cfg, 1, cuda, 4, 1, ratio=r, **caps)
+                                               for r in (ratio - 0.01, ratio))]
+    assert 0.3 < ratio < 0.7 and fits == [(False, True), (True, True)], (ratio, fits)
+    with pytest.raises(ConfigError, match="the memory plan does not fit"):
+        choose_offload_ratio(model, cfg, 1, cuda, 4, 1, gpu_capacity=132e9, host_capacity=40e9)
+
+
+def test_auto_offload_ratio_keeps_the_runs_own_ratio_on_resume(tmp_path):
+    """A run resumed with offload_ratio = auto keeps the ratio its checkpoints were written with (the split of
+    optimizer state between device and host follows it), and continues exactly like an uninterrupted run."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    common = {"training.steps": 6, "checkpoint.every": 3, "memory.offload": True, "profile.report": False}
+    run_cli("train", *tiny_args(whole, **common, **{"memory.offload_ratio": 0.5}))
+    run_cli("train", *tiny_args(resumed, **{**common, "training.steps": 3}, **{"memory.offload_ratio": 0.5}))
+    run_cli("train", *tiny_args(resumed, **common, **{"memory.offload_ratio": "auto"}), "--checkpoint.resume=true")
+    assert "offload_ratio = 0.5" in (resumed / "config.toml").read_text()
+    a, b = read_metrics(whole), read_metrics(resumed)
+    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]
+
+
 def test_chunked_loss_matches_the_whole_loss_and_keeps_one_piece_of_logits():
     """memory.loss_chunk_tokens: the same mean (ignored targets included) and gradients, and the logits of one
     piece saved for backward instead of the micro-batch's."""

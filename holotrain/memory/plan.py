@@ -283,6 +283,19 @@ def check_fit(model: nn.Module, cfg, world_size: int, device: torch.device, micr
     raise ConfigError(" ".join(lines))
 
 
+def choose_offload_ratio(model: nn.Module, cfg, world_size: int, device: torch.device, micro: int, accum: int,
+                         **capacity) -> float:
+    """memory.offload_ratio = "auto": the smallest ratio (in steps of 0.01) whose plan fits GPU and host memory,
+    i.e. the most optimizer work left on the GPU (GPU memory falls and host memory grows with the ratio). Raises
+    check_fit's error, with the numbers at ratio 1, when none fits."""
+    for i in range(101):
+        plan = plan_memory(model, cfg, world_size, device, micro, accum, ratio=i / 100, **capacity)
+        if plan.gpu_fits and plan.host_fits:
+            return i / 100
+    check_fit(model, _with(cfg, offload_ratio=1.0), world_size, device, micro, accum, **capacity)
+    return 1.0  # check_fit raised unless the capacities changed in between
+
+
 def _suggestions(model, cfg, world_size, device, micro, accum, plan: Plan, capacity) -> list[str]:
     """Changes that make the plan fit, each tried on its own; or, where none does, what each would save."""
     mem = cfg.memory

@@ -12,11 +12,11 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from holotrain.config import Config, ConfigError, batch_layout, resolve
+from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
 from holotrain.hw import peak_bf16_flops
 from holotrain.memory import apply_activation_checkpointing
 from holotrain.memory.offload import OffloadEngine
-from holotrain.memory.plan import check_fit, loss_chunk_tokens
+from holotrain.memory.plan import check_fit, choose_offload_ratio, loss_chunk_tokens
 from holotrain.model import Llama, LlamaArgs, flops_per_token, num_params
 from holotrain.parallel import DistEnv, apply_fsdp, init_distributed
 from holotrain.parallel.launch import destroy_distributed, device_mesh
@@ -44,16 +44,45 @@ def model_args(cfg: Config) -> LlamaArgs:
     return LlamaArgs(**{f.name: getattr(cfg.model, f.name) for f in fields(LlamaArgs)})
 
 
+def resolve_offload_ratio(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_run=None) -> None:
+    """memory.offload_ratio = "auto" -> a number, before the run's config.toml is written: the smallest ratio the
+    memory plan fits, agreed by all ranks (the largest of their choices), or, when resuming, the run's own choice
+    (the checkpoint's split of optimizer state between GPU and host follows it)."""
+    mem = cfg.memory
+    if mem.offload_ratio != "auto":
+        return
+    if not mem.offload:
+        mem.offload_ratio = 1.0  # unused
+        return
+    if resumed_run is not None:
+        saved = load_config(resumed_run / "config.toml").memory.offload_ratio
+        if saved != "auto":
+            mem.offload_ratio = float(saved)
+            return
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    ratio = choose_offload_ratio(model, cfg, env.world_size, env.device, micro, accum)
+    if env.world_size > 1:
+        agreed = torch.tensor([ratio], dtype=torch.float64, device=env.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        ratio = float(agreed.item())
+    mem.offload_ratio = ratio
+    if env.is_main:
+        print(f"holotrain: memory.offload_ratio = auto -> {ratio:g} (the smallest share of the optimizer on the CPU "
+              "that the memory plan fits)")
+
+
 def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype) -> torch.nn.Module:
     """Builds the plain model with seeded weights, then applies the levers from outside."""
     args = model_args(cfg)
+    dp = max(1, env.world_size // cfg.parallel.tp)
+    resolve_offload_ratio(cfg, env, *batch_layout(cfg, dp))  # if the caller has not (train does, first)
     # Built on "meta" (no memory), wrapped by the levers, placed (sharded, if FSDP), and only then
     # initialized: a 7B model never exists whole in host memory, and the seed alone decides the weights.
     with torch.device("meta"):
         model = Llama(args)
     if cfg.memory.check_fit:
         # A plan that cannot fit GPU or host memory is refused now, with the numbers, not by an OOM later.
-        dp = max(1, env.world_size // cfg.parallel.tp)
         check_fit(model, cfg, env.world_size, env.device, *batch_layout(cfg, dp))
     mesh = device_mesh(env, cfg.parallel.tp)  # ("dp",), or ("dp", "tp") with tensor parallelism
     if cfg.parallel.tp > 1:
@@ -256,6 +285,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
         raise ConfigError(
             f"{run_dir} already holds checkpoints; set checkpoint.resume=true to continue it or choose another job.run_dir"
         )
+    resolve_offload_ratio(cfg, env, micro, accum, run_dir if resume_from is not None else None)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
