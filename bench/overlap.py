@@ -400,8 +400,11 @@ def run_diag(args, comms, world, result, save):
             gathered = torch.cat([a] * world) if direction == "ag" else a
             tiles = comms["fused"].fused.tiles
             ops["triton_gemm"] = lambda: triton_matmul(gathered, w, "nk", tiles)
+            if direction == "rs":  # the same kernel without NVLink stores or waits (its result is wrong)
+                ops["fused_local_stores"] = lambda: comms["fused"].fused.matmul_reduce_scatter(
+                    a, w, diag_local_stores=True)
         row = diag.setdefault(f"clocks {direction} {LARGE}", {})
-        for name in ("gemm", "triton_gemm", "comm", "sequential", "async_tp", "fused"):
+        for name in ("gemm", "triton_gemm", "comm", "sequential", "async_tp", "fused", "fused_local_stores"):
             if name in ops and (name not in ("async_tp", "fused") or name in comms):
                 attempt(row, name, lambda: clocked(ops[name], args.diag_seconds, args.warmup))
         log(f"clocks {direction} {LARGE}: " + json.dumps(row))

@@ -93,6 +93,22 @@ def main():
                 assert e < 0.1 and counters == [0] + [per_chunk] * (W - 1), ("reduce-scatter", W, dynamic, layout, e,
                                                                             counters)
                 assert 100 < run(0, 2 * per_chunk + 1) < 100 + W, "a peer's tiles that never come: error word"
+
+    # The benchmark's diagnostic variant: the peers' tiles stored into this rank's own staging, no signal, no wait.
+    # Alone (no peer ever runs) it finishes, leaves the peers' counters untouched and writes this rank's partial
+    # plus whatever its other staging slots hold (zeros here).
+    W, m, K, N = 2, 40, 48, 56
+    A, B = torch.randn(W * m, K, dtype=DT), weight(N, K, "nk")
+    stage = W * m * N
+    bufs = [torch.zeros(ok.HEADER + 2 * stage * 2, dtype=torch.uint8) for _ in range(W)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    out = torch.full((m, N), float("nan"), dtype=DT)
+    cnt, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    ok.gemm_rs_kernel[(3,)](TensorDescriptor.from_tensor(A, [T.bm, T.bk]), ok._b_desc(B, "nk", T), out, bases, cnt, err,
+                            0, W, m, N, K, 0, 10**6, 50, 3, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=True,
+                            HEADER_BYTES=ok.HEADER, DYNAMIC=True, LOCAL_STORES=True)
+    e = (out.float() - ref(A, B, "nk")[:m]).abs().max().item()
+    assert err.item() == 0 and e < 0.05 and not bufs[1].any(), ("local-stores diagnostic", err.item(), e)
     print("INTERPRETED KERNELS OK")
 
 

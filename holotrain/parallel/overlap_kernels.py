@@ -167,11 +167,14 @@ def ag_gemm_kernel(a_desc, b_desc, c_ptr, flags_ptr, err_ptr,
 def gemm_rs_kernel(a_desc, b_desc, out_ptr, bases_ptr, counter_ptr, err_ptr,
                    rank, world, m, N, K, stage_off, expected, spin_limit, nprog,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                   B_NK: tl.constexpr, HEADER_BYTES: tl.constexpr, DYNAMIC: tl.constexpr, WS: tl.constexpr = False):
+                   B_NK: tl.constexpr, HEADER_BYTES: tl.constexpr, DYNAMIC: tl.constexpr, WS: tl.constexpr = False,
+                   LOCAL_STORES: tl.constexpr = False):
     """out[m, N] = sum over ranks r of (A_r @ B_r)[rows of this rank], A [M = world * m, K].
 
     bases[r] is rank r's symmetric buffer (mapped here): int64 counters[world] at its start, then staging
     [2 parities][world sources][m, N]; stage_off is this call's parity offset in elements.
+    LOCAL_STORES (a diagnostic; the result is wrong): the peers' tiles go to this rank's own staging, with no
+    signal and no wait, so the same kernel runs without NVLink stores or cross-rank synchronization.
     """
     DT = out_ptr.dtype.element_ty
     tiles_m = tl.cdiv(m, BM)
@@ -202,14 +205,17 @@ def gemm_rs_kernel(a_desc, b_desc, out_ptr, bases_ptr, counter_ptr, err_ptr,
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         mask = (rows < m)[:, None] & (cols < N)[None, :]
         if chunk != rank:
-            peer_base = tl.load(bases_ptr + chunk)
+            peer_base = my_base if LOCAL_STORES else tl.load(bases_ptr + chunk)
             dst = (peer_base + HEADER_BYTES).to(tl.pointer_type(DT)) + stage_off + rank * chunk_elems
             tl.store(dst + offs, acc.to(DT), mask=mask)
-            pending += 1
-            pending_chunk = chunk
+            if not LOCAL_STORES:
+                pending += 1
+                pending_chunk = chunk
         else:
             counters = my_base.to(tl.pointer_type(tl.int64))
             stage = (my_base + HEADER_BYTES).to(tl.pointer_type(DT)) + stage_off
+            if LOCAL_STORES:
+                ready = 1
             if ready == 0:  # once all peers' tiles of this call are in, later own tiles need not poll
                 for p in range(0, world):
                     if p != rank:
@@ -510,8 +516,11 @@ class FusedTP:
     # -- GEMM + reduce-scatter
 
     def matmul_reduce_scatter(self, a: torch.Tensor, w: torch.Tensor, layout: str = "nk",
-                              out: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's rows of the group's sum of a @ B, [M / world, N]; `out`: a contiguous output to write into."""
+                              out: torch.Tensor | None = None, diag_local_stores: bool = False) -> torch.Tensor:
+        """This rank's rows of the group's sum of a @ B, [M / world, N]; `out`: a contiguous output to write into.
+        diag_local_stores: a diagnostic for benchmarks (the result is wrong): the kernel stores the peers' tiles
+        into this rank's own memory and never waits for the peers, which isolates the cost of NVLink stores and
+        cross-rank synchronization."""
         K, N = _check_operands("matmul_reduce_scatter", a, w, layout)
         a, w = _aligned(a), _aligned(w)
         W, tiles = self.world, self.tiles
@@ -526,7 +535,8 @@ class FusedTP:
         ws = self._workspace("_rs", HEADER + 2 * stage_elems * a.element_size())
         parity = self.rs_calls & 1
         self.rs_calls += 1
-        self.rs_expected += _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn)  # tiles each peer sends per call
+        if not diag_local_stores:
+            self.rs_expected += _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn)  # tiles each peer sends per call
         self._rs_counter.zero_()
         grid = self.num_sms if tiles.dynamic else min(self.num_sms, W * _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn))
         a_desc = TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk])
@@ -536,7 +546,8 @@ class FusedTP:
                 a_desc, _b_desc(w, layout, tiles), out, ws.bases, self._rs_counter, self.error, self.rank, W, m, N,
                 K, parity * stage_elems, self.rs_expected, self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn,
                 BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk", HEADER_BYTES=HEADER,
-                DYNAMIC=bool(tiles.dynamic), WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
+                DYNAMIC=bool(tiles.dynamic), WS=bool(tiles.ws), LOCAL_STORES=diag_local_stores,
+                num_stages=tiles.stages, num_warps=tiles.warps,
             )
 
         self._launch(launch, w, layout, fenced=False)
