@@ -47,6 +47,20 @@ def test_tp2_and_dp2_tp2_training_match_one_process(tmp_path):
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_tp2_with_compiled_blocks_trains_like_eager(tmp_path):
+    """training.compile with TP=2: the blocks compile around the TP layers (which stay out of the graphs) and train
+    like the eager TP run."""
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    common = {"training.steps": 4, "checkpoint.every": 4, "profile.report": False}
+    torchrun(2, "train", *tiny_args(eager, **common), "--parallel.tp=2")
+    torchrun(2, "train", *tiny_args(compiled, **common), "--parallel.tp=2", "--training.compile=true")
+    a, b = read_metrics(eager), read_metrics(compiled)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-4), (x, y)
+
+
 def _cfg(*overrides):
     return resolve(load_config(None, list(overrides)), tokenizer_vocab=500)
 
