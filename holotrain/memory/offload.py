@@ -431,8 +431,8 @@ def _compile_kernels() -> CpuKernels:
                 src, tmp_so = os.path.join(tmp, "kernels.c"), os.path.join(tmp, "kernels.so")
                 with open(src, "w") as f:
                     f.write(_KERNEL_SOURCE)
-                proc = subprocess.run([cc, *flags, *common, src, "-o", tmp_so, "-lm", "-lpthread"], capture_output=True, text=True,
-                                      timeout=120, check=False)
+                proc = subprocess.run([cc, *flags, *common, src, "-o", tmp_so, "-lm", "-lpthread"],
+                                      capture_output=True, text=True, timeout=120, check=False)
                 if proc.returncode != 0:
                     errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-300:]}")
                     continue
