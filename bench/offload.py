@@ -84,6 +84,7 @@ def _config(spec: dict):
         "--training.lr=3e-4",
         f"--memory.activation_checkpointing={spec['ac']}", f"--memory.offload={str(spec['variant'] == 'offload').lower()}",
         f"--memory.offload_ratio={spec.get('ratio', 1.0)}", "--memory.check_fit=false",
+        *([f"--memory.offload_gil_switch_ms={spec['gil_ms']}"] if spec.get("gil_ms") is not None else []),
         f"--job.device={spec['device']}",
     ]
     return resolve(load_config(None, overrides), tokenizer_vocab=32000)
@@ -417,6 +418,8 @@ def main():
                                                       "the engine's default)")
     p.add_argument("--cpu-reps", type=int, default=3, help="(cpu): timed repetitions (the best counts)")
     p.add_argument("--variants", default="plain,offload,fsdp2-cpu", help="(a)")
+    p.add_argument("--gil-switch-ms", default="",
+                   help="(a)/(b): memory.offload_gil_switch_ms values to try, comma list (default: the config's)")
     p.add_argument("--sizes", default="", help="(b)/(c): shapes, smallest first (default 3b,7b,8b,10b / 13b,14b,16b)")
     p.add_argument("--gpu-gib", type=float, default=24.0, help="(b): GPU cap")
     p.add_argument("--ac", default="full", help="(b)/(c): activation checkpointing policy")
@@ -455,6 +458,7 @@ def main():
               "warmup": args.warmup}
     clips = [float(c) for c in args.clips.split(",")]
     common_b = {**common, "clip": clips[0]}
+    gils = [float(g) for g in args.gil_switch_ms.split(",")] if args.gil_switch_ms else [None]
 
     if args.part == "a":
         for batch in [int(b) for b in args.batch.split(",")]:
@@ -463,10 +467,11 @@ def main():
                 ratios = [float(r) for r in args.ratios.split(",")] if variant == "offload" else [None]
                 for ratio in ratios:
                     for clip in (clips if variant == "offload" else clips[:1]):
-                        spec = {**common, "part": "a", "variant": variant, "shape": args.shape, "batch": batch,
-                                "micro": micro, "ac": "none", "clip": clip,
-                                **({"ratio": ratio} if ratio is not None else {})}
-                        record(spawn(spec, args.timeout), out, meta)
+                        for gil in (gils if variant == "offload" else [None]):
+                            spec = {**common, "part": "a", "variant": variant, "shape": args.shape, "batch": batch,
+                                    "micro": micro, "ac": "none", "clip": clip, "gil_ms": gil,
+                                    **({"ratio": ratio} if ratio is not None else {})}
+                            record(spawn(spec, args.timeout), out, meta)
 
     elif args.part == "b":
         sizes = (args.sizes or "3b,7b,8b,10b").split(",")
@@ -479,12 +484,13 @@ def main():
                 print(f"(b): the memory plan fits no micro-batch of {shape} under {args.gpu_gib:g} GiB; stopping", flush=True)
                 break
             for batch, micro in layouts:
-                spec = {**common_b, "part": "b", "variant": "offload", "shape": shape, "batch": batch,
-                        "micro": micro, "ratio": 1.0, "ac": args.ac, "gpu_gib": args.gpu_gib}
-                row = spawn(spec, args.timeout)
-                record(row, out, meta)
-                if "error" not in row:
-                    trained = True
+                for gil in gils:
+                    spec = {**common_b, "part": "b", "variant": "offload", "shape": shape, "batch": batch,
+                            "micro": micro, "ratio": 1.0, "ac": args.ac, "gpu_gib": args.gpu_gib, "gil_ms": gil}
+                    row = spawn(spec, args.timeout)
+                    record(row, out, meta)
+                    trained = trained or "error" not in row
+                if trained:
                     break
             if not trained:
                 print(f"(b): {shape} does not train under {args.gpu_gib:g} GiB; stopping", flush=True)
@@ -557,9 +563,12 @@ def cpu_part(args, out: Path, meta: dict) -> None:
           f"compiled loops: {'yes' if kernels else 'NO (torch ops)'} ({compile_s:.1f} s)", flush=True)
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8, "t": 10}
 
-    def timed(fn, torch_threads: int, busy: bool = False) -> float:
+    def timed(fn, torch_threads: int, busy: bool = False, switch_ms: float | None = None) -> float:
         box = {}
         stop = threading.Event()
+        interval = sys.getswitchinterval()
+        if switch_ms is not None:
+            sys.setswitchinterval(switch_ms / 1000)
 
         def python_busy():
             while not stop.is_set():
@@ -584,6 +593,7 @@ def cpu_part(args, out: Path, meta: dict) -> None:
         stop.set()
         if other:
             other.join()
+        sys.setswitchinterval(interval)
         return box["s"]
 
     def emit(case: str, threads: int, seconds: float, **extra):
@@ -636,6 +646,16 @@ def cpu_part(args, out: Path, meta: dict) -> None:
         for h in helpers:
             h.join()
 
+    def buckets_with_upload_calls(threads: int):
+        """The worker's pattern per bucket: the native update (GIL released), then the Python and torch calls that
+        queue the bucket's upload, each a point where it must take the GIL back from the training thread."""
+        for lo in range(0, n, n // 16 // 64 * 64):
+            hi = min(n, lo + n // 16 // 64 * 64)
+            off.adamw_flat(master[lo:hi], m[lo:hi], v[lo:hi], g16[lo:hi], up[lo:hi], **hp, kernels=kernels,
+                           threads=threads)
+            for _ in range(12):
+                up[lo:lo + 1].zero_()
+
     emit("memcpy fp32 (GB/s = 8 bytes/param x this)", top, timed(lambda: acc.copy_(master), top))
     emit("torch fused AdamW, fp32 grads (hw probe)", top,
          timed(lambda: torch._fused_adamw_([master], [acc], [m], [v], [], [torch.tensor(10.0)], lr=1e-4, beta1=0.9,
@@ -656,6 +676,10 @@ def cpu_part(args, out: Path, meta: dict) -> None:
                        busy=True))
             emit("update on Python threads, one ctypes call per slice (until 2026-11-30), a Python-busy thread",
                  threads, timed(lambda k=threads: python_thread_slices(k), 1, busy=True))
+            for gil_ms in (5.0, 0.25):  # Python's default switch interval, and the engine's since 2026-11-30
+                emit(f"update in 16 buckets, each with the upload's 12 torch calls, a Python-busy thread, GIL switch "
+                     f"{gil_ms:g} ms", threads, timed(lambda k=threads: buckets_with_upload_calls(k), 1, busy=True,
+                                                      switch_ms=gil_ms))
             emit("update after, masters and moments on huge pages", threads,
                  timed(lambda k=threads: off.adamw_flat(*huge, g16, up, **hp, kernels=kernels, threads=k), 1))
             emit("accumulate+norm after: compiled, one pass", threads,
@@ -761,6 +785,8 @@ def tables(data: dict) -> str:
     if trials:
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in trials:
+        if r.get("gil_ms") is not None:  # a memory.offload_gil_switch_ms sweep: the value beside the variant
+            r = {**r, "variant": f"{r['variant']} (GIL {r['gil_ms']:g} ms)"}
         clip = r.get("clip", 1.0)
         clip_s = f"{clip:g} ({_f(r.get('clipped') and r['clipped'] * 100, '.0f')})" if "clipped" in r else f"{clip:g}"
         if "error" in r:

@@ -126,6 +126,10 @@ class MemoryConfig:
     # GPU. "auto": the smallest share that the memory plan fits in GPU and host memory (the most work on the GPU).
     offload_ratio: float | str = 1.0
     offload_threads: int = 0  # CPU threads of the offloaded step; 0 = this rank's share of the cores, minus one
+    # Python's GIL switch interval while the engine runs, in ms (0 = leave Python's, 5 ms). The CPU worker takes
+    # the GIL back a dozen times per bucket (between its native update and the copies it queues); with the training
+    # thread running Python all through the step, each of those waits up to one interval, native threads idle.
+    offload_gil_switch_ms: float = 0.25
     check_fit: bool = True  # refuse, before training starts, a plan that cannot fit GPU or host memory
     # The loss in pieces of this many tokens, each recomputed in backward (only one piece's fp32 logits alive).
     # 0 = auto: 8192 with activation checkpointing (memory first), else the whole micro-batch at once.
@@ -437,6 +441,8 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
         need(0.0 <= ratio <= 1.0, f"memory.offload_ratio must be in [0, 1], got {ratio}")
         mem.offload_ratio = float(ratio)
     need(mem.offload_threads >= 0, f"memory.offload_threads must be >= 0, got {mem.offload_threads}")
+    need(mem.offload_gil_switch_ms >= 0, f"memory.offload_gil_switch_ms must be >= 0 (0 = Python's own), got "
+         f"{mem.offload_gil_switch_ms}")
     need(mem.loss_chunk_tokens >= 0, f"memory.loss_chunk_tokens must be >= 0 (0 = auto), got {mem.loss_chunk_tokens}")
     # The offload engine assumes FSDP2's sharding (disjoint shards, one gradient per step); tensor parallelism
     # replicates some parameters across ranks, which its norm would count twice.

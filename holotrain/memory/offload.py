@@ -66,6 +66,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -715,6 +716,12 @@ class OffloadEngine:
             for p in b.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b)))
         self._install_gates()
+        # A shorter GIL switch interval while the engine runs: each time the worker needs the GIL back (after an
+        # update, around each copy it queues) it waits at most this long for the training thread to yield it.
+        self._switch_interval = None
+        if mem.offload_gil_switch_ms > 0:
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval, mem.offload_gil_switch_ms / 1000.0))
         self._thread = threading.Thread(target=self._work, name="holotrain-offload", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -821,6 +828,9 @@ class OffloadEngine:
             self._stop = True
             self._lock.notify_all()
         self._thread.join()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
