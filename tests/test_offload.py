@@ -259,6 +259,18 @@ def test_non_finite_gradient_skips_the_offloaded_step():
     opt.close()
 
 
+def test_engine_shortens_the_gil_switch_interval_while_it_runs():
+    """The worker takes the GIL back around every copy it queues: while the engine runs, the training thread
+    yields it within memory.offload_gil_switch_ms (0.25 by default); closing restores the interpreter's."""
+    import sys
+
+    before = sys.getswitchinterval()
+    _, opt, _ = _setup(True)
+    assert sys.getswitchinterval() == pytest.approx(0.00025)
+    opt.close()
+    assert sys.getswitchinterval() == before
+
+
 def test_working_weights_follow_the_masters():
     _, opt, step = _setup(True)
     batches = _batches(4)
@@ -321,6 +333,8 @@ def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
         policy("--memory.offload_ratio=1.5")
     with pytest.raises(ConfigError, match=r"memory.loss_chunk_tokens must be >= 0 \(0 = auto\), got -1"):
         policy("--memory.loss_chunk_tokens=-1")
+    with pytest.raises(ConfigError, match=r"memory.offload_gil_switch_ms must be >= 0"):
+        policy("--memory.offload_gil_switch_ms=-1")
     from holotrain.memory.plan import loss_chunk_tokens
 
     def chunk(*overrides):
