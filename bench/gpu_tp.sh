@@ -16,7 +16,8 @@
 # Budget: about 6 minutes; at most ~9.3 (timeouts 100 + 80 + 60 + 170, e2e what is left of 560 s, 60..150).
 #   4. (diag) bench/overlap.py --part diag: the SM clock per variant on the large shape, and the GPU timeline of one
 #      fused / async-TP call per direction (where a fused call's time goes).
-# E2E_COMPILE=0,1 runs every e2e mode both eager and with the blocks compiled (default 0: eager only).
+# E2E_COMPILE=0,1 runs every e2e mode both eager and with the blocks compiled (default 0: eager only); E2E_S caps
+# the e2e step (default 150 s).
 # Usage (repo root): bash bench/gpu_tp.sh OUT_DIR [STEPS]; STEPS: comma list of basic, large, model, kernels, e2e,
 # diag (default basic,large,model,kernels,e2e).
 set -uo pipefail
@@ -77,7 +78,8 @@ fi
 
 if want e2e; then
 s=$(date +%s)
-left=$(( 560 - ($(date +%s) - t0) )); [ $left -gt 150 ] && left=150; [ $left -lt 60 ] && left=60
+cap=${E2E_S:-150}  # the e2e step's cap in seconds (compiled modes need more: E2E_S=300)
+left=$(( 560 - ($(date +%s) - t0) )); [ $left -gt $cap ] && left=$cap; [ $left -lt 60 ] && left=60
 timeout $left $run bench/overlap.py --part e2e --e2e-compile "${E2E_COMPILE:-0}" --e2e-tiles "$best" --watchdog $(( left - 10 )) \
   --out "$out/e2e.json" > "$out/e2e.log" 2>&1
 step "end to end (bench/overlap.py --part e2e, log e2e.log, tiles '$best')" $? "$s"
