@@ -528,10 +528,10 @@ def run_e2e(args, world, result, save):
         save()
         gc.collect()
         torch.cuda.empty_cache()
-    base = {r["mode"]: r.get("tokens_per_s") for r in rows}
-    for r in rows:
-        if r.get("tokens_per_s") and base.get("none"):
-            r["vs_none"] = r["tokens_per_s"] / base["none"]
+    base = {r["compile"]: r.get("tokens_per_s") for r in rows if r["overlap"] == "none"}
+    for r in rows:  # against none with the same compile setting
+        if r.get("tokens_per_s") and base.get(r["compile"]):
+            r["vs_none"] = r["tokens_per_s"] / base[r["compile"]]
 
 
 def markdown(result) -> str:

@@ -40,6 +40,15 @@ def weight(N, K, layout):
     return torch.randn(N, K, dtype=DT) if layout == "nk" else torch.randn(K, N, dtype=DT)
 
 
+def out_desc(out):
+    return TensorDescriptor.from_tensor(out, [T.bm, T.bn])
+
+
+def stage_desc(buf, W, m, N):
+    """A rank's staging [2 parities x W sources, m, N] after the header, as the host side describes it."""
+    return TensorDescriptor.from_tensor(buf[ok.HEADER:].view(DT).view(2 * W, m, N), [1, T.bm, T.bn])
+
+
 def main():
     for M, K, N in [(40, 48, 72), (64, 32, 64)]:
         for layout in ("nk", "kn"):
@@ -53,13 +62,14 @@ def main():
             g, w = torch.randn(W * m, K, dtype=DT), weight(N, K, layout)
             y = torch.full((W * m, N), float("nan"), dtype=DT)
             flags, err = torch.ones(W * 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-            ok.ag_gemm_kernel[(5,)](TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, layout, T), y, flags,
-                                    err, rank, W, m, N, K, 32, 2, 100, 5, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m,
+            ok.ag_gemm_kernel[(5,)](TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, layout, T),
+                                    ok._c_desc(y, W, m, N, T), flags, err, rank, W, m, N, K, 32, 2, 100, 5, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m,
                                     B_NK=layout == "nk", FENCE=False)
             e = (y.float() - ref(g, w, layout)).abs().max().item()
             assert e < 0.05 and err.item() == 0, ("all-gather GEMM", rank, layout, e, err.item())
     flags[3] = 0  # piece 1 of the second chunk to arrive (rank 1's rows, seen from rank 0) never comes
-    ok.ag_gemm_kernel[(2,)](TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, "kn", T), y, flags, err,
+    ok.ag_gemm_kernel[(2,)](TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, "kn", T),
+                            ok._c_desc(y, W, m, N, T), flags, err,
                             0, W, m, N, K, 32, 2, 5, 2, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=False,
                             FENCE=False)
     assert err.item() == 2, ("missing piece: error word", err.item())
@@ -80,8 +90,9 @@ def main():
                     cnt, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
                     ok.gemm_rs_kernel[(3,)](
                         TensorDescriptor.from_tensor(A[rank], [T.bm, T.bk]), ok._b_desc(B[rank], layout, T),
-                        outs[rank], bases, cnt, err, rank, W, m, N, K, stage, expected, 50, 3, BM=T.bm, BN=T.bn,
-                        BK=T.bk, GROUP_M=T.group_m, B_NK=layout == "nk", HEADER_BYTES=ok.HEADER, DYNAMIC=dynamic)
+                        out_desc(outs[rank]), stage_desc(bufs[rank], W, m, N), bases, cnt, err, rank, W, m, N, K, 1,
+                        expected, 50, 3, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=layout == "nk",
+                        HEADER_BYTES=ok.HEADER, DYNAMIC=dynamic, FENCE=False)
                     return err.item()
 
                 for peer in range(1, W):
@@ -104,9 +115,10 @@ def main():
     bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     out = torch.full((m, N), float("nan"), dtype=DT)
     cnt, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    ok.gemm_rs_kernel[(3,)](TensorDescriptor.from_tensor(A, [T.bm, T.bk]), ok._b_desc(B, "nk", T), out, bases, cnt, err,
-                            0, W, m, N, K, 0, 10**6, 50, 3, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=True,
-                            HEADER_BYTES=ok.HEADER, DYNAMIC=True, LOCAL_STORES=True)
+    ok.gemm_rs_kernel[(3,)](TensorDescriptor.from_tensor(A, [T.bm, T.bk]), ok._b_desc(B, "nk", T), out_desc(out),
+                            stage_desc(bufs[0], W, m, N), bases, cnt, err, 0, W, m, N, K, 0, 10**6, 50, 3, BM=T.bm,
+                            BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=True, HEADER_BYTES=ok.HEADER, DYNAMIC=True,
+                            FENCE=False, LOCAL_STORES=True)
     e = (out.float() - ref(A, B, "nk")[:m]).abs().max().item()
     assert err.item() == 0 and e < 0.05 and not bufs[1].any(), ("local-stores diagnostic", err.item(), e)
     print("INTERPRETED KERNELS OK")

@@ -128,12 +128,13 @@ def _proxy_fence(x):
 
 
 @triton.jit(do_not_specialize=["rank", "world", "m", "N", "K", "piece_rows", "splits", "spin_limit", "nprog"])
-def ag_gemm_kernel(a_desc, b_desc, c_ptr, flags_ptr, err_ptr,
+def ag_gemm_kernel(a_desc, b_desc, c_desc, flags_ptr, err_ptr,
                    rank, world, m, N, K, piece_rows, splits, spin_limit, nprog,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                    B_NK: tl.constexpr, FENCE: tl.constexpr, WS: tl.constexpr = False):
     """C[M, N] = A[M, K] @ B with A the gathered rows, arriving chunk by chunk (chunk c = rows of rank c).
 
+    c_desc describes C as [world, m, N] (blocks [1, BM, BN]): a tile's TMA store stops at its chunk's last row.
     flags[s * splits + p] becomes 1 when piece p of the s-th chunk to arrive (s = 0: this rank's own) is in A.
     Pieces hold whole groups of GROUP_M row tiles, so a CTA meets them in non-decreasing order and polls each
     piece's flag once.
@@ -156,27 +157,26 @@ def ag_gemm_kernel(a_desc, b_desc, c_ptr, flags_ptr, err_ptr,
                 _proxy_fence(piece)
             seen = piece
         acc = _mainloop(a_desc, b_desc, chunk * m + row, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
-        rows = row + tl.arange(0, BM)
-        cols = pid_n * BN + tl.arange(0, BN)
-        offs = (chunk * m + rows).to(tl.int64)[:, None] * N + cols[None, :]
-        mask = (rows < m)[:, None] & (cols < N)[None, :]  # a tile never spills into the next chunk's rows
-        tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        # The epilogue through TMA: no per-element addresses in registers (a pointer store's [BM, BN] offsets
+        # pushed the kernel past 255 registers, into spills).
+        c_desc.store([chunk, row, pid_n * BN], acc.to(c_desc.dtype).reshape(1, BM, BN))
 
 
-@triton.jit(do_not_specialize=["rank", "world", "m", "N", "K", "stage_off", "expected", "spin_limit", "nprog"])
-def gemm_rs_kernel(a_desc, b_desc, out_ptr, bases_ptr, counter_ptr, err_ptr,
-                   rank, world, m, N, K, stage_off, expected, spin_limit, nprog,
+@triton.jit(do_not_specialize=["rank", "world", "m", "N", "K", "parity", "expected", "spin_limit", "nprog"])
+def gemm_rs_kernel(a_desc, b_desc, out_desc, stage_desc, bases_ptr, counter_ptr, err_ptr,
+                   rank, world, m, N, K, parity, expected, spin_limit, nprog,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                   B_NK: tl.constexpr, HEADER_BYTES: tl.constexpr, DYNAMIC: tl.constexpr, WS: tl.constexpr = False,
-                   LOCAL_STORES: tl.constexpr = False):
+                   B_NK: tl.constexpr, HEADER_BYTES: tl.constexpr, DYNAMIC: tl.constexpr, FENCE: tl.constexpr,
+                   WS: tl.constexpr = False, LOCAL_STORES: tl.constexpr = False):
     """out[m, N] = sum over ranks r of (A_r @ B_r)[rows of this rank], A [M = world * m, K].
 
     bases[r] is rank r's symmetric buffer (mapped here): int64 counters[world] at its start, then staging
-    [2 parities][world sources][m, N]; stage_off is this call's parity offset in elements.
+    [2 parities][world sources][m, N]; stage_desc describes this rank's own staging as [2 * world, m, N] (blocks
+    [1, BM, BN]), out_desc the output [m, N].
     LOCAL_STORES (a diagnostic; the result is wrong): the peers' tiles go to this rank's own staging, with no
     signal and no wait, so the same kernel runs without NVLink stores or cross-rank synchronization.
     """
-    DT = out_ptr.dtype.element_ty
+    DT = out_desc.dtype
     tiles_m = tl.cdiv(m, BM)
     tiles_n = tl.cdiv(N, BN)
     per_chunk = tiles_m * tiles_n
@@ -200,32 +200,36 @@ def gemm_rs_kernel(a_desc, b_desc, out_ptr, bases_ptr, counter_ptr, err_ptr,
         pid_m, pid_n = _tile(t % per_chunk, tiles_m, tiles_n, GROUP_M)
         row = pid_m * BM
         acc = _mainloop(a_desc, b_desc, chunk * m + row, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
-        rows = row + tl.arange(0, BM)
-        cols = pid_n * BN + tl.arange(0, BN)
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        mask = (rows < m)[:, None] & (cols < N)[None, :]
         if chunk != rank:
+            # Into the peer's staging over NVLink: plain stores (the peer's memory has no TMA descriptor here),
+            # addressed as a 64-bit tile start plus 32-bit offsets within the tile: 64-bit offsets per element
+            # would push the kernel into register spills.
+            rows = tl.arange(0, BM)
+            cols = tl.arange(0, BN)
+            mask = (row + rows < m)[:, None] & (pid_n * BN + cols < N)[None, :]
             peer_base = my_base if LOCAL_STORES else tl.load(bases_ptr + chunk)
-            dst = (peer_base + HEADER_BYTES).to(tl.pointer_type(DT)) + stage_off + rank * chunk_elems
-            tl.store(dst + offs, acc.to(DT), mask=mask)
+            dst = ((peer_base + HEADER_BYTES).to(tl.pointer_type(DT)) + (parity * world + rank) * chunk_elems
+                   + row.to(tl.int64) * N + pid_n * BN)
+            tl.store(dst + rows[:, None] * N + cols[None, :], acc.to(DT), mask=mask)
             if not LOCAL_STORES:
                 pending += 1
                 pending_chunk = chunk
         else:
             counters = my_base.to(tl.pointer_type(tl.int64))
-            stage = (my_base + HEADER_BYTES).to(tl.pointer_type(DT)) + stage_off
             if LOCAL_STORES:
                 ready = 1
             if ready == 0:  # once all peers' tiles of this call are in, later own tiles need not poll
                 for p in range(0, world):
                     if p != rank:
                         _wait_at_least(counters + p, expected, spin_limit, err_ptr, 100 + p)
+                if FENCE:
+                    _proxy_fence(ready)  # the acquires above before the TMA loads of the peers' tiles
                 ready = 1
             for p in range(0, world):
                 if p != rank:
-                    part = tl.load(stage + p * chunk_elems + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    acc += part.to(tl.float32)
-            tl.store(out_ptr + offs, acc.to(DT), mask=mask)
+                    part = stage_desc.load([parity * world + p, row, pid_n * BN])
+                    acc += part.reshape(BM, BN).to(tl.float32)
+            out_desc.store([row, pid_n * BN], acc.to(DT))
         if DYNAMIC:
             t = tl.atomic_add(counter_ptr, 1)
         else:
@@ -250,6 +254,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def _b_desc(w: torch.Tensor, layout: str, tiles: Tiles) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(w, [tiles.bn, tiles.bk] if layout == "nk" else [tiles.bk, tiles.bn])
+
+
+def _c_desc(y: torch.Tensor, world: int, m: int, N: int, tiles: Tiles) -> TensorDescriptor:
+    """The all-gather GEMM's output [world * m, N] as [world, m, N]: a tile's store stops at its chunk's end."""
+    return TensorDescriptor.from_tensor(y.view(world, m, N), [1, tiles.bm, tiles.bn])
 
 
 def _output(t: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
@@ -497,9 +506,11 @@ class FusedTP:
         grid = max(1, min(total, self.num_sms - tiles.reserve_sms))
         a_desc = TensorDescriptor.from_tensor(gathered, [tiles.bm, tiles.bk])
 
+        c_desc = _c_desc(y, W, m, N, tiles)
+
         def launch(w, layout, fence):
             ag_gemm_kernel[(grid,)](
-                a_desc, _b_desc(w, layout, tiles), y, flags, self.error, rank, W, m, N, K, piece_rows, splits,
+                a_desc, _b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K, piece_rows, splits,
                 self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m,
                 B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
             )
@@ -540,17 +551,20 @@ class FusedTP:
         self._rs_counter.zero_()
         grid = self.num_sms if tiles.dynamic else min(self.num_sms, W * _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn))
         a_desc = TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk])
+        out_desc = TensorDescriptor.from_tensor(out, [tiles.bm, tiles.bn])
+        stage_desc = TensorDescriptor.from_tensor(ws.view(self.rank, HEADER, (2 * W, m, N), a.dtype),
+                                                  [1, tiles.bm, tiles.bn])
 
-        def launch(w, layout, fence):  # no TMA load follows a wait in this kernel: no fence to drop
+        def launch(w, layout, fence):
             gemm_rs_kernel[(grid,)](
-                a_desc, _b_desc(w, layout, tiles), out, ws.bases, self._rs_counter, self.error, self.rank, W, m, N,
-                K, parity * stage_elems, self.rs_expected, self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn,
+                a_desc, _b_desc(w, layout, tiles), out_desc, stage_desc, ws.bases, self._rs_counter, self.error,
+                self.rank, W, m, N, K, parity, self.rs_expected, self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn,
                 BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk", HEADER_BYTES=HEADER,
-                DYNAMIC=bool(tiles.dynamic), WS=bool(tiles.ws), LOCAL_STORES=diag_local_stores,
-                num_stages=tiles.stages, num_warps=tiles.warps,
+                DYNAMIC=bool(tiles.dynamic), FENCE=fence, WS=bool(tiles.ws),
+                LOCAL_STORES=diag_local_stores, num_stages=tiles.stages, num_warps=tiles.warps,
             )
 
-        self._launch(launch, w, layout, fenced=False)
+        self._launch(launch, w, layout)
         self._watch()
         return out
 
@@ -571,7 +585,8 @@ def triton_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: T
     total = _cdiv(M, tiles.bm) * _cdiv(N, tiles.bn)
     grid = max(1, min(total, num_sms))
     ag_gemm_kernel[(grid,)](
-        TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk]), _b_desc(w, layout, tiles), y, flags, error,
+        TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk]), _b_desc(w, layout, tiles), _c_desc(y, 1, M, N, tiles),
+        flags, error,
         0, 1, M, N, K, rows, 1, 1 << 20, grid,
         BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk",
         FENCE=a.is_cuda and not _INTERPRET, WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
