@@ -98,6 +98,15 @@ def test_fused_kernels_interpreted():
     assert proc.returncode == 0 and "INTERPRETED KERNELS OK" in proc.stdout, f"{proc.stdout}\n{proc.stderr[-6000:]}"
 
 
+def test_fused_kernels_compile_without_spills():
+    """The fused kernels compiled for sm_90a here (ptxas, no GPU): no register spills, no serialized wgmma
+    (skipped where Triton is not installed, as on the CPU CI)."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "tests/tp_kernels_ptxas.py"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "PTXAS CHECKS OK" in proc.stdout, f"{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
 def _symm_worker(rank: int, world: int, tmp: str, port: int) -> None:
     """Each rank's "symmetric buffer" is a shared file mapped by every rank (the CPU stand-in for symmetric memory)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -62,13 +62,18 @@ def main():
             g, w = torch.randn(W * m, K, dtype=DT), weight(N, K, layout)
             y = torch.full((W * m, N), float("nan"), dtype=DT)
             flags, err = torch.ones(W * 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-            ok.ag_gemm_kernel[(5,)](TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, layout, T),
+            own = g[rank * m:(rank + 1) * m].clone()
+            g[rank * m:(rank + 1) * m] = float("nan")  # the own rows are read from the shard, never from g
+            ok.ag_gemm_kernel[(5,)](TensorDescriptor.from_tensor(own, [T.bm, T.bk]),
+                                    TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, layout, T),
                                     ok._c_desc(y, W, m, N, T), flags, err, rank, W, m, N, K, 32, 2, 100, 5, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m,
                                     B_NK=layout == "nk", FENCE=False)
+            g[rank * m:(rank + 1) * m] = own
             e = (y.float() - ref(g, w, layout)).abs().max().item()
             assert e < 0.05 and err.item() == 0, ("all-gather GEMM", rank, layout, e, err.item())
-    flags[3] = 0  # piece 1 of the second chunk to arrive (rank 1's rows, seen from rank 0) never comes
-    ok.ag_gemm_kernel[(2,)](TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, "kn", T),
+    flags[1] = 0  # piece 1 of the first peer chunk to arrive (rank 1's rows, seen from rank 0) never comes
+    ok.ag_gemm_kernel[(2,)](TensorDescriptor.from_tensor(g[:m].clone(), [T.bm, T.bk]),
+                            TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, "kn", T),
                             ok._c_desc(y, W, m, N, T), flags, err,
                             0, W, m, N, K, 32, 2, 5, 2, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=False,
                             FENCE=False)

@@ -5,11 +5,11 @@ All-gather + GEMM (`ag_gemm_kernel`)
   one symmetric-memory barrier says every shard is in place. The copy engine pulls the peers' shards over
   NVLink into the gathered output [M, K] (an ordinary tensor, kept for the weight gradient), piece by piece
   on a side stream, and after each piece a stream memory operation (cuStreamWriteValue32, with its
-  system-wide fence, no SM needed) raises that piece's flag. The local shard reaches the gathered tensor
-  the same way on a second stream, in small pieces so the first lands within microseconds. One persistent
-  GEMM, launched at once beside them, walks its tiles in arrival order (its own rows first, then the peers'
-  in the order the copy stream delivers them) and spins on a piece's flag (acquire) before its first load
-  from it. The GEMM leaves `reserve_sms` SMs free for the barrier kernel.
+  system-wide fence, no SM needed) raises that piece's flag. One persistent GEMM, launched at once beside
+  them, walks its tiles in arrival order: its own rows first, read straight from the shard (no wait), then
+  the peers' in the order the copy stream delivers them, spinning on a piece's flag (acquire) before its
+  first load from it. The local shard reaches the gathered tensor in one copy on a second stream. The GEMM
+  leaves `reserve_sms` SMs free for the barrier kernel; results leave it through TMA stores.
 
 GEMM + reduce-scatter (`gemm_rs_kernel`)
   One persistent GEMM computes the rows that belong to the peers first and its own rows last. A peer's
@@ -128,37 +128,46 @@ def _proxy_fence(x):
 
 
 @triton.jit(do_not_specialize=["rank", "world", "m", "N", "K", "piece_rows", "splits", "spin_limit", "nprog"])
-def ag_gemm_kernel(a_desc, b_desc, c_desc, flags_ptr, err_ptr,
+def ag_gemm_kernel(own_desc, a_desc, b_desc, c_desc, flags_ptr, err_ptr,
                    rank, world, m, N, K, piece_rows, splits, spin_limit, nprog,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                    B_NK: tl.constexpr, FENCE: tl.constexpr, WS: tl.constexpr = False):
     """C[M, N] = A[M, K] @ B with A the gathered rows, arriving chunk by chunk (chunk c = rows of rank c).
 
-    c_desc describes C as [world, m, N] (blocks [1, BM, BN]): a tile's TMA store stops at its chunk's last row.
-    flags[s * splits + p] becomes 1 when piece p of the s-th chunk to arrive (s = 0: this rank's own) is in A.
-    Pieces hold whole groups of GROUP_M row tiles, so a CTA meets them in non-decreasing order and polls each
-    piece's flag once.
+    This rank's own rows are read from own_desc (its shard, [m, K]), so their tiles start at once; the peers'
+    rows from a_desc (the gathered [M, K]) as they land there. c_desc describes C as [world, m, N] (blocks
+    [1, BM, BN]): a tile's TMA store stops at its chunk's last row. flags[(s - 1) * splits + p] becomes 1 when
+    piece p of the s-th peer chunk to arrive (s = 1: rank + 1's) is in A. Pieces hold whole groups of GROUP_M
+    row tiles, so a CTA meets them in non-decreasing order and polls each piece's flag once.
     """
     tiles_m = tl.cdiv(m, BM)
     tiles_n = tl.cdiv(N, BN)
     per_chunk = tiles_m * tiles_n
     total = per_chunk * world
     k_tiles = tl.cdiv(K, BK)
+    pid = tl.program_id(0)
+    # Two loops over this CTA's tiles (pid, pid + nprog, ...; nprog = the grid size), one GEMM loop each: a
+    # single loop choosing its source per tile would merge two accumulators, which serializes the wgmma pipeline.
+    for t in range(pid, per_chunk, nprog):  # own rows, read from the shard
+        pid_m, pid_n = _tile(t, tiles_m, tiles_n, GROUP_M)
+        acc = _mainloop(own_desc, b_desc, pid_m * BM, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
+        # The epilogue through TMA: no per-element addresses in registers (a pointer store's [BM, BN] offsets
+        # pushed the kernel past 255 registers, into spills).
+        c_desc.store([rank, pid_m * BM, pid_n * BN], acc.to(c_desc.dtype).reshape(1, BM, BN))
+    first_peer = pid if pid >= per_chunk else pid + tl.cdiv(per_chunk - pid, nprog) * nprog
     seen = -1
-    for t in range(tl.program_id(0), total, nprog):  # nprog: the grid size
-        slot = t // per_chunk  # arrival order: own rows, then rank+1, rank+2, ... (the copy stream's order)
+    for t in range(first_peer, total, nprog):  # the peers' rows in arrival order: rank + 1, rank + 2, ...
+        slot = t // per_chunk
         pid_m, pid_n = _tile(t % per_chunk, tiles_m, tiles_n, GROUP_M)
         chunk = (rank + slot) % world
         row = pid_m * BM
-        piece = slot * splits + row // piece_rows
+        piece = (slot - 1) * splits + row // piece_rows
         if piece != seen:
             _wait_at_least(flags_ptr + piece, 1, spin_limit, err_ptr, 1 + chunk)
             if FENCE:
                 _proxy_fence(piece)
             seen = piece
         acc = _mainloop(a_desc, b_desc, chunk * m + row, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
-        # The epilogue through TMA: no per-element addresses in registers (a pointer store's [BM, BN] offsets
-        # pushed the kernel past 255 registers, into spills).
         c_desc.store([chunk, row, pid_n * BN], acc.to(c_desc.dtype).reshape(1, BM, BN))
 
 
@@ -481,16 +490,13 @@ class FusedTP:
         self.ag_calls += 1
         slot_off = HEADER + parity * slot_bytes
         piece_rows, splits = self._pieces(m, K * elt)
-        flags = torch.zeros(W * splits, dtype=torch.int32, device=self.device)
+        flags = torch.zeros(max(1, (W - 1) * splits), dtype=torch.int32, device=self.device)
 
         compute = torch.cuda.current_stream(self.device)
         self.local_stream.wait_stream(compute)
         self.copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self.local_stream):  # own rows into the output, the first piece first
-            for p in range(splits):
-                r0, r1 = p * piece_rows, min(m, (p + 1) * piece_rows)
-                gathered[rank * m + r0: rank * m + r1].copy_(a_shard[r0:r1])
-                _write_flag(flags, p)
+        with torch.cuda.stream(self.local_stream):  # own rows into the gathered output (the GEMM reads the shard)
+            gathered[rank * m: (rank + 1) * m].copy_(a_shard)
         with torch.cuda.stream(self.copy_stream):
             ws.view(rank, slot_off, (m, K), dtype).copy_(a_shard)
             ws.handle.barrier(channel=0, timeout_ms=self.barrier_timeout_ms)  # every shard is in its buffer
@@ -500,17 +506,17 @@ class FusedTP:
                 for p in range(splits):
                     r0, r1 = p * piece_rows, min(m, (p + 1) * piece_rows)
                     gathered[src * m + r0: src * m + r1].copy_(peer[r0:r1])  # copy engine, over NVLink
-                    _write_flag(flags, s * splits + p)
+                    _write_flag(flags, (s - 1) * splits + p)
 
         total = _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn) * W
         grid = max(1, min(total, self.num_sms - tiles.reserve_sms))
+        own_desc = TensorDescriptor.from_tensor(a_shard, [tiles.bm, tiles.bk])
         a_desc = TensorDescriptor.from_tensor(gathered, [tiles.bm, tiles.bk])
-
         c_desc = _c_desc(y, W, m, N, tiles)
 
         def launch(w, layout, fence):
             ag_gemm_kernel[(grid,)](
-                a_desc, _b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K, piece_rows, splits,
+                own_desc, a_desc, _b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K, piece_rows, splits,
                 self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m,
                 B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
             )
@@ -577,16 +583,16 @@ def triton_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: T
     a, w = _aligned(a), _aligned(w)
     M = a.shape[0]
     y = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    flags = torch.ones(1, dtype=torch.int32, device=a.device)
+    flags = torch.ones(1, dtype=torch.int32, device=a.device)  # unread: one rank's rows are all its own
     error = torch.zeros(1, dtype=torch.int32, device=a.device)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
     rows = max(tiles.bm, _cdiv(M, tiles.bm) * tiles.bm)
     total = _cdiv(M, tiles.bm) * _cdiv(N, tiles.bn)
     grid = max(1, min(total, num_sms))
+    a_desc = TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk])
     ag_gemm_kernel[(grid,)](
-        TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk]), _b_desc(w, layout, tiles), _c_desc(y, 1, M, N, tiles),
-        flags, error,
+        a_desc, a_desc, _b_desc(w, layout, tiles), _c_desc(y, 1, M, N, tiles), flags, error,
         0, 1, M, N, K, rows, 1, 1 << 20, grid,
         BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk",
         FENCE=a.is_cuda and not _INTERPRET, WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
