@@ -19,7 +19,7 @@
 # E2E_COMPILE=0,1 runs every e2e mode both eager and with the blocks compiled (default 0: eager only); E2E_S caps
 # the e2e step (default 150 s).
 # Usage (repo root): bash bench/gpu_tp.sh OUT_DIR [STEPS]; STEPS: comma list of basic, large, model, kernels, e2e,
-# diag (default basic,large,model,kernels,e2e).
+# diag, rounds (default basic,large,model,kernels,e2e). rounds: the large shape in ROUNDS (10) interleaved rounds.
 set -uo pipefail
 out=${1:?output directory}
 steps=",${2:-basic,large,model,kernels,e2e},"
@@ -74,6 +74,15 @@ timeout 120 $run bench/overlap.py --part diag --e2e-tiles "$best" --watchdog 110
 step "diagnostics (bench/overlap.py --part diag, log diag.log)" $? "$s"
 grep -vE "^\[rank|^W[0-9]|warn" "$out/diag.log" | cut -c1-300 | head -120
 errors "$out/diag.log" 10
+fi
+
+if want rounds; then  # the large shape's targets in interleaved rounds (drift falls on every variant alike)
+s=$(date +%s)
+timeout 150 $run bench/overlap.py --part rounds --rounds ${ROUNDS:-10} --e2e-tiles "$best" --watchdog 140 \
+  --out "$out/rounds.json" > "$out/rounds.log" 2>&1
+step "interleaved rounds (bench/overlap.py --part rounds, log rounds.log)" $? "$s"
+[ -f "$out/rounds.md" ] && grep -A8 "interleaved rounds" "$out/rounds.md"
+errors "$out/rounds.log" 10
 fi
 
 if want e2e; then

@@ -260,6 +260,47 @@ def run_kernels(args, comms, world, result, save):
         torch.cuda.empty_cache()
 
 
+def run_rounds(args, comms, world, result, save):
+    """The large shape's targets measured in interleaved rounds: every variant of both directions once per round
+    (--iters calls each), --rounds rounds, so that drift in the clock or power state over the run falls on all
+    variants alike; per variant the median over rounds, and the per-round ratios' median."""
+    from holotrain.parallel.overlap_kernels import triton_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(2000 + dist.get_rank())
+    if "fused" in comms and args.e2e_tiles:
+        set_tiles(comms["fused"], args.e2e_tiles)
+    out = result.setdefault("rounds", {"tiles": str(comms["fused"].fused.tiles) if "fused" in comms else None,
+                                       "rounds": args.rounds, "iters": args.iters, "per_round": []})
+    variants = {}
+    for direction in ("ag", "rs"):
+        a, w = inputs(direction, *LARGE, world, gen)
+        ops = {k: v for k, v in kernel_ops(direction, a, w, comms, world).items()
+               if k != "async_tp" or "async_tp" in comms}
+        gathered = torch.cat([a] * world) if direction == "ag" else a
+        if "fused" in comms:
+            ops["triton_gemm"] = lambda g=gathered, w=w: triton_matmul(g, w, "nk", comms["fused"].fused.tiles)
+        variants[direction] = ops
+    for _ in range(args.rounds):
+        this = {}
+        for direction, ops in variants.items():
+            r = {}
+            for name, fn in ops.items():
+                attempt(r, name, lambda fn=fn: time_ms(fn, args.iters, args.warmup))
+            r.update(derived(r))
+            this[direction] = r
+        out["per_round"].append(this)
+        save()
+    summary = {}
+    for direction in variants:
+        rows = [rd[direction] for rd in out["per_round"]]
+        med = {k: statistics.median(r[k] for r in rows if isinstance(r.get(k), float))
+               for k in rows[0] if isinstance(rows[0].get(k), float)}
+        summary[direction] = med
+    out["median"] = summary
+    log("rounds: " + json.dumps(summary))
+    save()
+
+
 def profile_step(fn, top: int = 12) -> list:
     """Runs fn (one training step, on every rank) under the profiler, GPU activity only; this rank's top kernels by
     GPU time as [name, calls, ms]. A profiler that fails does not stop the step (the ranks must stay in step)."""
@@ -572,6 +613,23 @@ def markdown(result) -> str:
         lines += ["Tile configurations (large shape, fused ms): " + "; ".join(
             f"{t}: AG {r.get('ag') or '-'} RS {r.get('rs') or '-'} Triton GEMM {r.get('triton_gemm') or '-'}"
             for t, r in result["tiles"].items()), ""]
+    rounds = result.get("rounds") or {}
+    if rounds.get("median"):
+        lines += [f"Large shape {LARGE}, {len(rounds['per_round'])} interleaved rounds of {rounds['iters']} calls per "
+                  f"variant (fused tiles {rounds['tiles']}); medians over rounds, ms:", "",
+                  "| dir | comm | GEMM (cuBLAS) | Triton GEMM | sequential | async-TP | fused | eff. async-TP | "
+                  "eff. fused | fused vs async-TP |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for d, m in rounds["median"].items():
+            def g(k, fmt="{:.3f}", m=m):
+                return fmt.format(m[k]) if isinstance(m.get(k), float) else "-"
+            lines.append(f"| {'AG+GEMM' if d == 'ag' else 'GEMM+RS'} | {g('comm')} | {g('gemm')} | {g('triton_gemm')} | "
+                         f"{g('sequential')} | {g('async_tp')} | {g('fused')} | {g('async_tp_efficiency', '{:.0%}')} | "
+                         f"{g('fused_efficiency', '{:.0%}')} | {g('fused_vs_async_tp', '{:.2f}x')} |")
+            eff, sp = m.get("fused_efficiency"), m.get("fused_vs_async_tp")
+            ok = eff is not None and sp is not None and eff >= 0.9 and sp >= 1.10
+            lines.append(f"Target ({d}, rounds): efficiency >= 90% and >= 1.10x async-TP: {g('fused_efficiency', '{:.0%}')}"
+                         f", {g('fused_vs_async_tp', '{:.2f}x')} -> {'MET' if ok else 'NOT MET'}")
+        lines.append("")
     if result.get("e2e"):
         lines += ["| 1.4b TP=2, T=2048, B=8 | tokens/s | step ms | host ms | TFLOP/s per GPU | peak GB | vs none |",
                   "|---|---|---|---|---|---|---|"]
@@ -601,6 +659,7 @@ def main() -> None:
     p.add_argument("--modes", default="none,async_tp,fused", help="end-to-end tp_overlap modes")
     p.add_argument("--tune-budget", type=float, default=80, help="seconds of tile tuning (compiles included)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=10, help="rounds: interleaved rounds on the large shape")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--preset", default="1.4b")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -642,7 +701,7 @@ def main() -> None:
     HOOKS["save"] = save
     log(f"{result['device']} x{world}, torch {result['torch']}, triton {triton_version}, env {result['env']}")
     parts = args.part.split(",")
-    if "kernels" in parts or "diag" in parts:
+    if "kernels" in parts or "diag" in parts or "rounds" in parts:
         comms = {}
         for mode in ("none", "async_tp", "fused"):
             attempt(comms, mode, lambda: TPComm(dist.group.WORLD, mode))
@@ -652,6 +711,8 @@ def main() -> None:
         run_kernels(args, comms, world, result, save)
         if not args.e2e_tiles:
             args.e2e_tiles = result.get("best_tiles", "")
+    if "rounds" in parts:
+        run_rounds(args, comms, world, result, save)
     if "diag" in parts:
         run_diag(args, comms, world, result, save)
     if "e2e" in parts:
