@@ -57,7 +57,7 @@ want model && tests model 60 45
 
 if want kernels; then
 s=$(date +%s)
-timeout 170 $run bench/overlap.py --part kernels --tune-budget 60 --watchdog 160 --out "$out/kernels.json" \
+timeout 170 $run bench/overlap.py --part kernels --tune-budget ${TUNE_S:-60} --watchdog 160 --out "$out/kernels.json" \
   > "$out/kernels.log" 2>&1
 step "kernel benchmark (bench/overlap.py --part kernels, log kernels.log)" $? "$s"
 [ -f "$out/kernels.md" ] && cat "$out/kernels.md"

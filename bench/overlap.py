@@ -55,7 +55,9 @@ E2E_OPS = [("ag", 16384, 2048, 6144, "qkv fwd"), ("ag", 16384, 2048, 11264, "gat
            ("rs", 16384, 2048, 2048, "wo fwd"), ("rs", 16384, 2048, 5632, "w2 fwd"),
            ("rs", 16384, 2048, 6144, "qkv bwd dx"), ("rs", 16384, 2048, 11264, "gate_up bwd dx"),
            ("ag", 16384, 2048, 2048, "wo bwd dx"), ("ag", 16384, 2048, 5632, "w2 bwd dx")]
-TILES = ["128x256x64-s3-w8", "128x256x64-s4-w8", "256x128x64-s3-w8", "128x256x128-s2-w8", "128x256x64-s3-w8-x1"]
+# f1: the all-gather GEMM's tile and K loops flattened; e2: its epilogue in two halves (room for a 4th stage)
+TILES = ["128x256x64-s3-w8", "128x256x64-s3-w8-f1", "128x256x64-s4-w8-f1-e2", "128x256x64-s4-w8-e2",
+         "256x128x64-s3-w8", "128x256x64-s3-w8-x1"]
 
 
 def log(msg: str) -> None:

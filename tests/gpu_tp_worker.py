@@ -18,6 +18,7 @@ autograd), large (the M=16384 and K=8192 shapes), model (a TP=2 Llama in every m
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import sys
@@ -220,10 +221,21 @@ def main() -> None:
                     continue
 
                 def ag(mode=mode, a=a, w=w, ref_g=ref_g, ref_y=ref_y, layout=layout):
-                    if mode == "fused":
-                        y, g = poisoned((M, nl), device), poisoned((M, K), device)
-                        comms[mode].fused.all_gather_matmul(a, w, layout, out=y, gathered=g)
-                        comms[mode].fused.check()
+                    if mode == "fused":  # the default tiles, and flattened loops with a two-piece epilogue
+                        fused, results = comms[mode].fused, []
+                        default = fused.tiles
+                        try:
+                            for tiles in (default, dataclasses.replace(default, stages=4, flat=1, epi=2)):
+                                fused.tiles = tiles
+                                y, g = poisoned((M, nl), device), poisoned((M, K), device)
+                                fused.all_gather_matmul(a, w, layout, out=y, gathered=g)
+                                fused.check()
+                                if not torch.equal(g, ref_g):
+                                    raise AssertionError(f"gathered rows differ from NCCL's all-gather ({tiles})")
+                                results.append(f"{tiles}: " + compare("all_gather_matmul", y, ref_y))
+                        finally:
+                            fused.tiles = default
+                        return "; ".join(results)
                     else:
                         torch.empty(M * (nl + K) * 2, dtype=torch.bfloat16, device=device).fill_(float("nan"))
                         g, y = all_gather_matmul(a, w, comms[mode], layout)

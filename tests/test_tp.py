@@ -77,6 +77,12 @@ def test_tp_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"parallel.tp_tiles"):
         _cfg("--parallel.tp_tiles=128x100x64")
     assert _cfg("--parallel.tp=2", "--parallel.tp_tiles=128x256x64-s4-w8-r2").parallel.tp_tiles
+    from holotrain.parallel.overlap import parse_tiles
+
+    assert parse_tiles("128x256x64-s4-w8-f1-e2") == {"bm": 128, "bn": 256, "bk": 64, "stages": 4, "warps": 8,
+                                                     "flat": 1, "epi": 2}
+    with pytest.raises(ConfigError, match=r"parallel.tp_tiles: -e \(epilogue pieces\) must be 1 or 2"):
+        _cfg("--parallel.tp_tiles=128x256x64-e3")
 
 
 @pytest.mark.slow

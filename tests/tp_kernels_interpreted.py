@@ -50,11 +50,14 @@ def stage_desc(buf, W, m, N):
 
 
 def main():
+    flat_halves = ok.Tiles(bm=16, bn=32, bk=16, group_m=2, stages=2, warps=4, reserve_sms=0, flat=1, epi=2)
     for M, K, N in [(40, 48, 72), (64, 32, 64)]:
         for layout in ("nk", "kn"):
-            a, w = torch.randn(M, K, dtype=DT), weight(N, K, layout)
-            err = (ok.triton_matmul(a, w, layout, T, num_sms=3).float() - ref(a, w, layout)).abs().max().item()
-            assert err < 0.05, ("matmul", M, K, N, layout, err)
+            for tiles in (T, flat_halves):
+                a, w = torch.randn(M, K, dtype=DT), weight(N, K, layout)
+                y = ok.triton_matmul(a, w, layout, tiles, num_sms=3)
+                err = (y.float() - ref(a, w, layout)).abs().max().item()
+                assert err < 0.05, ("matmul", M, K, N, layout, str(tiles), err)
 
     W, m, K, N = 3, 40, 48, 72
     for rank in range(W):

@@ -48,17 +48,24 @@ def main():
           {**common, "HEADER_BYTES": ok.HEADER, "DYNAMIC": True})
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
-        for fn, (sig, consts) in ((ok.ag_gemm_kernel, ag), (ok.gemm_rs_kernel, rs)):
-            for ws in (False, True):
-                c = {**consts, "WS": ws}
-                report = ptxas_report(fn, {**sig, **{k: "constexpr" for k in c}}, c, tiles, Path(tmp))
-                lines = [ln.strip() for ln in report.splitlines() if "spill" in ln or "registers" in ln
-                         or "serialized" in ln]
-                print(f"{fn.__name__} WS={ws}: " + " | ".join(lines))
-                if any("serialized" in ln for ln in lines) or any(
-                        "spill" in ln and not ln.startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill "
-                                                            "loads") for ln in lines):
-                    failures.append(f"{fn.__name__} WS={ws}")
+        four_stages = ok.Tiles(bm=bm, bn=bn, bk=bk, stages=4, warps=8)
+        variants = [(ok.ag_gemm_kernel, ag, {"WS": ws}, tiles) for ws in (False, True)]
+        variants += [(ok.ag_gemm_kernel, ag, {"WS": False, "FLAT": True, "EPI": epi}, t)
+                     for epi, t in ((1, tiles), (2, four_stages))]
+        variants += [(ok.gemm_rs_kernel, rs, {"WS": ws}, tiles) for ws in (False, True)]
+        for fn, (sig, consts), extra, t in variants:
+            c = {**consts, **extra}
+            sig_c = {**sig, **{k: "constexpr" for k in c}}
+            if extra.get("EPI") == 2:
+                sig_c["c_desc"] = f"tensordesc<bf16[1,{bm},{bn // 2}]>"
+            report = ptxas_report(fn, sig_c, c, t, Path(tmp))
+            lines = [ln.strip() for ln in report.splitlines() if "spill" in ln or "registers" in ln
+                     or "serialized" in ln]
+            what = f"{fn.__name__} {extra} stages {t.stages}"
+            print(f"{what}: " + " | ".join(lines))
+            clean = "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
+            if any("serialized" in ln or ("spill" in ln and not ln.startswith(clean)) for ln in lines):
+                failures.append(what)
     if failures:
         raise SystemExit("register spills or serialized wgmma in: " + ", ".join(failures))
     print("PTXAS CHECKS OK")

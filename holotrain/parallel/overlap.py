@@ -38,14 +38,17 @@ MODES = ("none", "async_tp", "fused")
 
 def parse_tiles(text: str):
     """'128x256x64-s3-w8-g8-r2' -> overlap_kernels.Tiles fields (dict); raises ConfigError naming parallel.tp_tiles."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)((?:-[swgrdx]\d+)*)", text.strip())
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)((?:-[swgrdxfe]\d+)*)", text.strip())
     if not m:
         raise ConfigError("parallel.tp_tiles: expected BMxBNxBK[-sSTAGES][-wWARPS][-gGROUP_M][-rRESERVED_SMS]"
-                          f"[-d0|1][-x0|1], e.g. 128x256x64-s3-w8, got {text!r}")
+                          f"[-d0|1][-x0|1][-f0|1][-e1|2], e.g. 128x256x64-s3-w8, got {text!r}")
     fields = {"bm": int(m[1]), "bn": int(m[2]), "bk": int(m[3])}
-    names = {"s": "stages", "w": "warps", "g": "group_m", "r": "reserve_sms", "d": "dynamic", "x": "ws"}
+    names = {"s": "stages", "w": "warps", "g": "group_m", "r": "reserve_sms", "d": "dynamic", "x": "ws", "f": "flat",
+             "e": "epi"}
     for part in filter(None, m[4].split("-")):
         fields[names[part[0]]] = int(part[1:])
+    if fields.get("epi", 1) not in (1, 2):
+        raise ConfigError(f"parallel.tp_tiles: -e (epilogue pieces) must be 1 or 2, got {fields['epi']}")
     for key in ("bm", "bn", "bk"):
         if fields[key] < 16 or fields[key] & (fields[key] - 1):
             raise ConfigError(f"parallel.tp_tiles: {key} must be a power of two >= 16, got {fields[key]}")

@@ -63,10 +63,12 @@ class Tiles:
     reserve_sms: int = 2  # left to the copy stream's small kernels while the all-gather GEMM runs
     dynamic: int = 1  # GEMM + reduce-scatter tiles handed out by an atomic counter (1) or round-robin (0)
     ws: int = 0  # Triton's automatic warp specialization of the K loop (experimental on Hopper)
+    flat: int = 0  # all-gather GEMM: tile and K loops flattened into one pipeline
+    epi: int = 1  # all-gather GEMM: the epilogue's TMA stores in 1 or 2 column pieces
 
     def __str__(self) -> str:
         return (f"{self.bm}x{self.bn}x{self.bk}-s{self.stages}-w{self.warps}-g{self.group_m}-r{self.reserve_sms}"
-                f"-d{self.dynamic}-x{self.ws}")
+                f"-d{self.dynamic}-x{self.ws}-f{self.flat}-e{self.epi}")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -121,6 +123,18 @@ def _mainloop(a_desc, b_desc, off_am, off_bn, k_tiles,
 
 
 @triton.jit
+def _store_tile(c_desc, chunk, row, col, acc, BM: tl.constexpr, BN: tl.constexpr, EPI: tl.constexpr):
+    """acc into C[chunk, row:row + BM, col:col + BN] by TMA, whole or in two column halves."""
+    out = acc.to(c_desc.dtype)
+    if EPI == 2:
+        left, right = out.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
+        c_desc.store([chunk, row, col], left.reshape(1, BM, BN // 2))
+        c_desc.store([chunk, row, col + BN // 2], right.reshape(1, BM, BN // 2))
+    else:
+        c_desc.store([chunk, row, col], out.reshape(1, BM, BN))
+
+
+@triton.jit
 def _proxy_fence(x):
     # Orders the generic-proxy acquire before the async-proxy (TMA) loads that follow it.
     return tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
@@ -131,7 +145,8 @@ def _proxy_fence(x):
 def ag_gemm_kernel(own_desc, a_desc, b_desc, c_desc, flags_ptr, err_ptr,
                    rank, world, m, N, K, piece_rows, splits, spin_limit, nprog,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                   B_NK: tl.constexpr, FENCE: tl.constexpr, WS: tl.constexpr = False):
+                   B_NK: tl.constexpr, FENCE: tl.constexpr, WS: tl.constexpr = False, FLAT: tl.constexpr = False,
+                   EPI: tl.constexpr = 1):
     """C[M, N] = A[M, K] @ B with A the gathered rows, arriving chunk by chunk (chunk c = rows of rank c).
 
     This rank's own rows are read from own_desc (its shard, [m, K]), so their tiles start at once; the peers'
@@ -139,6 +154,9 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, c_desc, flags_ptr, err_ptr,
     [1, BM, BN]): a tile's TMA store stops at its chunk's last row. flags[(s - 1) * splits + p] becomes 1 when
     piece p of the s-th peer chunk to arrive (s = 1: rank + 1's) is in A. Pieces hold whole groups of GROUP_M
     row tiles, so a CTA meets them in non-decreasing order and polls each piece's flag once.
+    FLAT: the tile and K loops flattened into one software pipeline (the next tile's loads overlap this tile's
+    epilogue). EPI = 2: the epilogue stores two [BM, BN / 2] halves (c_desc's blocks), which halves its shared
+    memory and leaves room for a fourth pipeline stage.
     """
     tiles_m = tl.cdiv(m, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -148,15 +166,15 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, c_desc, flags_ptr, err_ptr,
     pid = tl.program_id(0)
     # Two loops over this CTA's tiles (pid, pid + nprog, ...; nprog = the grid size), one GEMM loop each: a
     # single loop choosing its source per tile would merge two accumulators, which serializes the wgmma pipeline.
-    for t in range(pid, per_chunk, nprog):  # own rows, read from the shard
+    for t in tl.range(pid, per_chunk, nprog, flatten=FLAT):  # own rows, read from the shard
         pid_m, pid_n = _tile(t, tiles_m, tiles_n, GROUP_M)
         acc = _mainloop(own_desc, b_desc, pid_m * BM, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
         # The epilogue through TMA: no per-element addresses in registers (a pointer store's [BM, BN] offsets
         # pushed the kernel past 255 registers, into spills).
-        c_desc.store([rank, pid_m * BM, pid_n * BN], acc.to(c_desc.dtype).reshape(1, BM, BN))
+        _store_tile(c_desc, rank, pid_m * BM, pid_n * BN, acc, BM, BN, EPI)
     first_peer = pid if pid >= per_chunk else pid + tl.cdiv(per_chunk - pid, nprog) * nprog
     seen = -1
-    for t in range(first_peer, total, nprog):  # the peers' rows in arrival order: rank + 1, rank + 2, ...
+    for t in tl.range(first_peer, total, nprog, flatten=FLAT):  # the peers' rows: rank + 1, rank + 2, ...
         slot = t // per_chunk
         pid_m, pid_n = _tile(t % per_chunk, tiles_m, tiles_n, GROUP_M)
         chunk = (rank + slot) % world
@@ -168,7 +186,7 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, c_desc, flags_ptr, err_ptr,
                 _proxy_fence(piece)
             seen = piece
         acc = _mainloop(a_desc, b_desc, chunk * m + row, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
-        c_desc.store([chunk, row, pid_n * BN], acc.to(c_desc.dtype).reshape(1, BM, BN))
+        _store_tile(c_desc, chunk, row, pid_n * BN, acc, BM, BN, EPI)
 
 
 @triton.jit(do_not_specialize=["rank", "world", "m", "N", "K", "parity", "expected", "spin_limit", "nprog"])
@@ -267,7 +285,7 @@ def _b_desc(w: torch.Tensor, layout: str, tiles: Tiles) -> TensorDescriptor:
 
 def _c_desc(y: torch.Tensor, world: int, m: int, N: int, tiles: Tiles) -> TensorDescriptor:
     """The all-gather GEMM's output [world * m, N] as [world, m, N]: a tile's store stops at its chunk's end."""
-    return TensorDescriptor.from_tensor(y.view(world, m, N), [1, tiles.bm, tiles.bn])
+    return TensorDescriptor.from_tensor(y.view(world, m, N), [1, tiles.bm, tiles.bn // tiles.epi])
 
 
 def _output(t: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
@@ -518,7 +536,8 @@ class FusedTP:
             ag_gemm_kernel[(grid,)](
                 own_desc, a_desc, _b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K, piece_rows, splits,
                 self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m,
-                B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
+                B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), FLAT=bool(tiles.flat), EPI=tiles.epi,
+                num_stages=tiles.stages, num_warps=tiles.warps,
             )
 
         self._launch(launch, w, layout)
@@ -595,7 +614,8 @@ def triton_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: T
         a_desc, a_desc, _b_desc(w, layout, tiles), _c_desc(y, 1, M, N, tiles), flags, error,
         0, 1, M, N, K, rows, 1, 1 << 20, grid,
         BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk",
-        FENCE=a.is_cuda and not _INTERPRET, WS=bool(tiles.ws), num_stages=tiles.stages, num_warps=tiles.warps,
+        FENCE=a.is_cuda and not _INTERPRET, WS=bool(tiles.ws), FLAT=bool(tiles.flat), EPI=tiles.epi,
+        num_stages=tiles.stages, num_warps=tiles.warps,
     )
     return y
 
