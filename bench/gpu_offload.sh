@@ -19,6 +19,7 @@
 #   bmax  (b) micro-batch 12, else 10, with expandable segments (the loss in pieces of 8192 tokens since
 #         2026-11-30: one piece's logits alive instead of the micro-batch's).
 #   bgil  (b) micro 12 at GIL switch intervals 5 ms (Python's) and 0.25 ms (the engine's default).
+#   bthreads  (b) micro 12 on the default update thread count, then on 12.
 #   c     (c) the whole machine: 14b at batch 4 with the smallest offload_ratio the memory plan fits.
 #   test  the GPU offload test (tests/test_offload.py -m gpu), verbose with durations.
 set -uo pipefail
@@ -64,6 +65,9 @@ for s in ${stages//,/ }; do
     bgil) # micro 12 at Python's 5 ms GIL switch interval, then at the engine's 0.25 ms (memory.offload_gil_switch_ms)
           PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage 200 "(b) 7b, micro 12, GIL 5 / 0.25 ms" --part b \
             --sizes 7b --big-batch 12 --micro 12 --clips 0 --steps 3 --warmup 2 --timeout 95 --gil-switch-ms 5,0.25 ;;
+    bthreads) # micro 12 with the update on the default thread count (cores - 1), then on 12 (cores for the rest)
+          PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage 200 "(b) 7b, micro 12, threads default / 12" --part b \
+            --sizes 7b --big-batch 12 --micro 12 --clips 0 --steps 3 --warmup 2 --timeout 95 --offload-threads 0,12 ;;
     b8|b10) stage 110 "(b) 7b, micro ${s#b}" --part b --sizes 7b --big-batch ${s#b} --micro ${s#b} --clips 0 --steps 3 \
               --warmup 2 --timeout 100 ;;
     c) stage 200 "(c) 14b" --part c --sizes 14b --c-batch 4 --clips 0 --steps 3 --warmup 2 --timeout 190 ;;

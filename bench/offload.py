@@ -85,6 +85,7 @@ def _config(spec: dict):
         f"--memory.activation_checkpointing={spec['ac']}", f"--memory.offload={str(spec['variant'] == 'offload').lower()}",
         f"--memory.offload_ratio={spec.get('ratio', 1.0)}", "--memory.check_fit=false",
         *([f"--memory.offload_gil_switch_ms={spec['gil_ms']}"] if spec.get("gil_ms") is not None else []),
+        *([f"--memory.offload_threads={spec['offload_threads']}"] if spec.get("offload_threads") else []),
         f"--job.device={spec['device']}",
     ]
     return resolve(load_config(None, overrides), tokenizer_vocab=32000)
@@ -363,8 +364,8 @@ def record(row: dict, out: Path, meta: dict) -> None:
     out.write_text(json.dumps(data, indent=1))
     brief = {k: row.get(k) for k in ("part", "variant", "shape", "batch", "micro", "ratio", "ac", "clip", "clipped",
                                      "grad_norm_mean", "tokens_per_s", "mfu", "step_s", "peak_gpu_gb", "time.offload_wait",
-                                     "offload.cpu_step_s", "offload.land_s", "offload.copy_wait_s", "offload.speculated",
-                                     "kernel", "host_busy_cores", "nivcsw_per_step", "cgroup_throttled_s_per_step",
+                                     "offload.cpu_step_s", "offload.adamw_s", "offload.land_s", "offload.copy_wait_s",
+                                     "offload.speculated", "threads", "kernel", "host_busy_cores", "nivcsw_per_step", "cgroup_throttled_s_per_step",
                                      "case", "gparams_per_s", "error")
              if row.get(k) is not None}
     print(json.dumps(brief), flush=True)
@@ -418,6 +419,8 @@ def main():
                                                       "the engine's default)")
     p.add_argument("--cpu-reps", type=int, default=3, help="(cpu): timed repetitions (the best counts)")
     p.add_argument("--variants", default="plain,offload,fsdp2-cpu", help="(a)")
+    p.add_argument("--offload-threads", default="",
+                   help="(b): memory.offload_threads values to try, comma list (default: the config's)")
     p.add_argument("--gil-switch-ms", default="",
                    help="(a)/(b): memory.offload_gil_switch_ms values to try, comma list (default: the config's)")
     p.add_argument("--sizes", default="", help="(b)/(c): shapes, smallest first (default 3b,7b,8b,10b / 13b,14b,16b)")
@@ -459,6 +462,7 @@ def main():
     clips = [float(c) for c in args.clips.split(",")]
     common_b = {**common, "clip": clips[0]}
     gils = [float(g) for g in args.gil_switch_ms.split(",")] if args.gil_switch_ms else [None]
+    thread_counts = [int(t) for t in args.offload_threads.split(",")] if args.offload_threads else [None]
 
     if args.part == "a":
         for batch in [int(b) for b in args.batch.split(",")]:
@@ -484,9 +488,10 @@ def main():
                 print(f"(b): the memory plan fits no micro-batch of {shape} under {args.gpu_gib:g} GiB; stopping", flush=True)
                 break
             for batch, micro in layouts:
-                for gil in gils:
+                for gil, threads in [(g, t) for g in gils for t in thread_counts]:
                     spec = {**common_b, "part": "b", "variant": "offload", "shape": shape, "batch": batch,
-                            "micro": micro, "ratio": 1.0, "ac": args.ac, "gpu_gib": args.gpu_gib, "gil_ms": gil}
+                            "micro": micro, "ratio": 1.0, "ac": args.ac, "gpu_gib": args.gpu_gib, "gil_ms": gil,
+                            "offload_threads": threads}
                     row = spawn(spec, args.timeout)
                     record(row, out, meta)
                     trained = trained or "error" not in row
@@ -779,7 +784,7 @@ def tables(data: dict) -> str:
               "and none can speculate); spec: share of steps that speculated. Busy cores: the process's CPU seconds "
               "per second."), ""]
     head = ("| part | variant | model | params | batch (micro) | ratio | AC | clip (clipped %) | tokens/s | MFU % | "
-            "step ms | peak GPU GB | host RSS GB | pinned GB | exposed ms | CPU step ms | landing ms | copy wait ms | "
+            "step ms | peak GPU GB | host RSS GB | pinned GB | exposed ms | CPU step ms | AdamW ms | landing ms | copy wait ms | "
             "D2H ms | H2D ms | spec % | CPU loops | busy cores |")
     trials = [r for r in runs if r.get("part") != "cpu"]
     if trials:
@@ -787,11 +792,13 @@ def tables(data: dict) -> str:
     for r in trials:
         if r.get("gil_ms") is not None:  # a memory.offload_gil_switch_ms sweep: the value beside the variant
             r = {**r, "variant": f"{r['variant']} (GIL {r['gil_ms']:g} ms)"}
+        if r.get("offload_threads"):  # a memory.offload_threads sweep
+            r = {**r, "variant": f"{r['variant']} ({r['offload_threads']} threads)"}
         clip = r.get("clip", 1.0)
         clip_s = f"{clip:g} ({_f(r.get('clipped') and r['clipped'] * 100, '.0f')})" if "clipped" in r else f"{clip:g}"
         if "error" in r:
             lines.append(f"| {r.get('part')} | {r['variant']} | {r['shape']} | - | {r['batch']} ({r['micro']}) | "
-                         f"{r.get('ratio', '-')} | {r.get('ac')} | {clip_s} | failed: {r['error'][:100]} |" + " |" * 14)
+                         f"{r.get('ratio', '-')} | {r.get('ac')} | {clip_s} | failed: {r['error'][:100]} |" + " |" * 15)
             continue
 
         def ms(key, r=r):
@@ -804,7 +811,7 @@ def tables(data: dict) -> str:
             f"{r.get('ratio', '-')} | {r['ac']} | {clip_s} | {r['tokens_per_s']:,.0f} | "
             f"{_f(r['mfu'] and r['mfu'] * 100, '.1f')} | {r['step_s'] * 1000:.0f} | {_f(r['peak_gpu_gb'], '.1f')} | "
             f"{r['host_rss_gb']:.1f} | {r['pinned_gb']:.1f} | {_f(exposed and exposed * 1000, '.0f')} | "
-            f"{ms('offload.cpu_step_s')} | {ms('offload.land_s')} | {ms('offload.copy_wait_s')} | {ms('offload.d2h_s')} | "
+            f"{ms('offload.cpu_step_s')} | {ms('offload.adamw_s')} | {ms('offload.land_s')} | {ms('offload.copy_wait_s')} | {ms('offload.d2h_s')} | "
             f"{ms('offload.h2d_s')} | {_f(spec if spec is None else spec * 100, '.0f')} | {r.get('kernel', '-')} | "
             f"{_f(r.get('host_busy_cores'), '.1f')} |")
     plain = {r["batch"]: r["tokens_per_s"] for r in trials if r.get("part") == "a" and r["variant"] == "plain"
