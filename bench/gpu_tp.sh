@@ -81,7 +81,7 @@ s=$(date +%s)
 timeout 150 $run bench/overlap.py --part rounds --rounds ${ROUNDS:-10} --e2e-tiles "$best" --watchdog 140 \
   --out "$out/rounds.json" > "$out/rounds.log" 2>&1
 step "interleaved rounds (bench/overlap.py --part rounds, log rounds.log)" $? "$s"
-[ -f "$out/rounds.md" ] && grep -A8 "interleaved rounds" "$out/rounds.md"
+[ -f "$out/rounds.md" ] && grep -A10 "interleaved rounds" "$out/rounds.md"
 errors "$out/rounds.log" 10
 fi
 

@@ -365,7 +365,8 @@ def record(row: dict, out: Path, meta: dict) -> None:
     brief = {k: row.get(k) for k in ("part", "variant", "shape", "batch", "micro", "ratio", "ac", "clip", "clipped",
                                      "grad_norm_mean", "tokens_per_s", "mfu", "step_s", "peak_gpu_gb", "time.offload_wait",
                                      "offload.cpu_step_s", "offload.adamw_s", "offload.land_s", "offload.copy_wait_s",
-                                     "offload.speculated", "threads", "kernel", "host_busy_cores", "nivcsw_per_step", "cgroup_throttled_s_per_step",
+                                     "offload.speculated", "threads", "kernel", "host_busy_cores", "nivcsw_per_step",
+                                     "cgroup_throttled_s_per_step",
                                      "case", "gparams_per_s", "error")
              if row.get(k) is not None}
     print(json.dumps(brief), flush=True)
@@ -784,8 +785,8 @@ def tables(data: dict) -> str:
               "and none can speculate); spec: share of steps that speculated. Busy cores: the process's CPU seconds "
               "per second."), ""]
     head = ("| part | variant | model | params | batch (micro) | ratio | AC | clip (clipped %) | tokens/s | MFU % | "
-            "step ms | peak GPU GB | host RSS GB | pinned GB | exposed ms | CPU step ms | AdamW ms | landing ms | copy wait ms | "
-            "D2H ms | H2D ms | spec % | CPU loops | busy cores |")
+            "step ms | peak GPU GB | host RSS GB | pinned GB | exposed ms | CPU step ms | AdamW ms | landing ms | "
+            "copy wait ms | D2H ms | H2D ms | spec % | CPU loops | busy cores |")
     trials = [r for r in runs if r.get("part") != "cpu"]
     if trials:
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
@@ -811,7 +812,8 @@ def tables(data: dict) -> str:
             f"{r.get('ratio', '-')} | {r['ac']} | {clip_s} | {r['tokens_per_s']:,.0f} | "
             f"{_f(r['mfu'] and r['mfu'] * 100, '.1f')} | {r['step_s'] * 1000:.0f} | {_f(r['peak_gpu_gb'], '.1f')} | "
             f"{r['host_rss_gb']:.1f} | {r['pinned_gb']:.1f} | {_f(exposed and exposed * 1000, '.0f')} | "
-            f"{ms('offload.cpu_step_s')} | {ms('offload.adamw_s')} | {ms('offload.land_s')} | {ms('offload.copy_wait_s')} | {ms('offload.d2h_s')} | "
+            f"{ms('offload.cpu_step_s')} | {ms('offload.adamw_s')} | {ms('offload.land_s')} | "
+            f"{ms('offload.copy_wait_s')} | {ms('offload.d2h_s')} | "
             f"{ms('offload.h2d_s')} | {_f(spec if spec is None else spec * 100, '.0f')} | {r.get('kernel', '-')} | "
             f"{_f(r.get('host_busy_cores'), '.1f')} |")
     plain = {r["batch"]: r["tokens_per_s"] for r in trials if r.get("part") == "a" and r["variant"] == "plain"

@@ -69,8 +69,8 @@ def main():
             g[rank * m:(rank + 1) * m] = float("nan")  # the own rows are read from the shard, never from g
             ok.ag_gemm_kernel[(5,)](TensorDescriptor.from_tensor(own, [T.bm, T.bk]),
                                     TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, layout, T),
-                                    ok._c_desc(y, W, m, N, T), flags, err, rank, W, m, N, K, 32, 2, 100, 5, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m,
-                                    B_NK=layout == "nk", FENCE=False)
+                                    ok._c_desc(y, W, m, N, T), flags, err, rank, W, m, N, K, 32, 2, 100, 5, BM=T.bm,
+                                    BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=layout == "nk", FENCE=False)
             g[rank * m:(rank + 1) * m] = own
             e = (y.float() - ref(g, w, layout)).abs().max().item()
             assert e < 0.05 and err.item() == 0, ("all-gather GEMM", rank, layout, e, err.item())

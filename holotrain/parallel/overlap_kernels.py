@@ -454,7 +454,7 @@ class FusedTP:
 
     # -- kernel launch, with fallbacks
 
-    def _launch(self, launch, w: torch.Tensor, layout: str, fenced: bool = True) -> None:
+    def _launch(self, launch, w: torch.Tensor, layout: str) -> None:
         """launch(w, layout, fence). Should a variant fail to compile on this Triton, the next is tried, and the
         one that works is kept (reported once): without the proxy fence, then with the [K, N] weight transposed
         into a [N, K] copy (small beside the activations)."""
@@ -465,7 +465,7 @@ class FusedTP:
         except Exception as first:
             errors = [first]
         variants = []
-        if self._fence and fenced:
+        if self._fence:
             variants.append((w, layout, False, "without the proxy fence"))
         if layout == "kn":
             variants.append((w.t().contiguous(), "nk", self._fence, "with the weight transposed"))
@@ -534,8 +534,8 @@ class FusedTP:
 
         def launch(w, layout, fence):
             ag_gemm_kernel[(grid,)](
-                own_desc, a_desc, _b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K, piece_rows, splits,
-                self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m,
+                own_desc, a_desc, _b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K, piece_rows,
+                splits, self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m,
                 B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), FLAT=bool(tiles.flat), EPI=tiles.epi,
                 num_stages=tiles.stages, num_warps=tiles.warps,
             )
