@@ -19,7 +19,9 @@
 # E2E_COMPILE=0,1 runs every e2e mode both eager and with the blocks compiled (default 0: eager only); E2E_S caps
 # the e2e step (default 150 s).
 # Usage (repo root): bash bench/gpu_tp.sh OUT_DIR [STEPS]; STEPS: comma list of basic, large, model, kernels, e2e,
-# diag, rounds (default basic,large,model,kernels,e2e). rounds: the large shape in ROUNDS (10) interleaved rounds.
+# diag, rounds (default basic,large,model,kernels,e2e). rounds: the large shape in ROUNDS (8) interleaved rounds, each
+# variant in its power steady state; ROUNDS_ALT: comma list of other fused tiles measured beside (e.g. ...-c1);
+# ROUNDS_DIAG=1: also the all-gather without waits / without communication, and steady-state timelines.
 set -uo pipefail
 out=${1:?output directory}
 steps=",${2:-basic,large,model,kernels,e2e},"
@@ -78,10 +80,12 @@ fi
 
 if want rounds; then  # the large shape's targets in interleaved rounds (drift falls on every variant alike)
 s=$(date +%s)
-timeout 150 $run bench/overlap.py --part rounds --rounds ${ROUNDS:-10} --e2e-tiles "$best" --watchdog 140 \
+timeout 220 $run bench/overlap.py --part rounds --rounds ${ROUNDS:-8} --e2e-tiles "$best" --watchdog 210 \
+  --rounds-alt "${ROUNDS_ALT:-}" --rounds-diag ${ROUNDS_DIAG:-0} \
   --out "$out/rounds.json" > "$out/rounds.log" 2>&1
 step "interleaved rounds (bench/overlap.py --part rounds, log rounds.log)" $? "$s"
-[ -f "$out/rounds.md" ] && grep -A10 "interleaved rounds" "$out/rounds.md"
+[ -f "$out/rounds.md" ] && grep -A14 "interleaved rounds" "$out/rounds.md"
+grep -A40 "steady timeline" "$out/rounds.log" | grep -v "^\[rank" | cut -c1-90 | head -150
 errors "$out/rounds.log" 10
 fi
 

@@ -28,6 +28,7 @@ Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import faulthandler
 import gc
@@ -163,12 +164,12 @@ def kernel_ops(direction, a, w, comms, world):
 def derived(r: dict) -> dict:
     seq, gemm, comm = r.get("sequential"), r.get("gemm"), r.get("comm")
     out = {}
-    for mode in ("async_tp", "fused"):
+    for mode in ["async_tp"] + [k for k in r if k == "fused" or (k.startswith("fused ") and not k.endswith("_mhz"))]:
         t = r.get(mode)
         if None not in (seq, gemm, comm, t) and seq > max(gemm, comm):
             out[f"{mode}_efficiency"] = (seq - t) / (seq - max(gemm, comm))
-    if r.get("fused") and r.get("async_tp"):
-        out["fused_vs_async_tp"] = r["async_tp"] / r["fused"]
+        if mode != "async_tp" and t and r.get("async_tp"):
+            out[f"{mode}_vs_async_tp"] = r["async_tp"] / t
     if r.get("fused") and r.get("triton_gemm"):  # what the communication still costs over our own GEMM
         out["fused_minus_triton_gemm"] = r["fused"] - r["triton_gemm"]
     return out
@@ -262,17 +263,56 @@ def run_kernels(args, comms, world, result, save):
         torch.cuda.empty_cache()
 
 
+def with_attr(obj, name: str, value, fn):
+    """fn() with obj.name set to value for the call."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(obj, name, saved)
+
+
+def with_tiles(comm: TPComm, tiles, fn):
+    """fn() with the fused path's tiles set to `tiles` for the call."""
+    return with_attr(comm.fused, "tiles", tiles, fn)
+
+
+def steady_ms(fn, args, into: dict, key: str) -> float:
+    """Median ms per call in the power steady state, the slower rank's; this rank's mean SM clock over the timed
+    calls goes to into[key] (a float, so the rounds' medians take it in).
+
+    The H200 sits at its 700 W cap under these GEMMs, and its power limiter averages over tens to hundreds of ms:
+    a variant timed right after a light one (the collective alone) borrows its power headroom and runs at a higher
+    clock. So every variant first runs back to back for --settle-s seconds, then is timed over at least
+    --window-s seconds. Both ranks make the same number of calls (the slower rank's estimate decides)."""
+    est = torch.tensor([time_ms(fn, max(3, args.warmup), 2)], device="cuda")  # ms per call, rank-agreed below
+    dist.all_reduce(est, op=dist.ReduceOp.MAX)
+    settle = int(args.settle_s * 1000 / max(est.item(), 1e-3))
+    calls = max(args.iters, int(args.window_s * 1000 / max(est.item(), 1e-3)))
+    for _ in range(settle):
+        fn()
+    with ClockSampler() as clock:
+        ms = time_ms(fn, calls, 0)
+    mhz = clock.summary().get("sm_mhz_mean")
+    if mhz:
+        into[key] = float(mhz)
+    return ms
+
+
 def run_rounds(args, comms, world, result, save):
-    """The large shape's targets measured in interleaved rounds: every variant of both directions once per round
-    (--iters calls each), --rounds rounds, so that drift in the clock or power state over the run falls on all
-    variants alike; per variant the median over rounds, and the per-round ratios' median."""
+    """The large shape's targets measured in interleaved rounds: every variant of both directions once per round,
+    in its power steady state (steady_ms), --rounds rounds with the order rotated each round, so that drift in the
+    clock or power state over the run falls on all variants alike; per variant the median over rounds, and the
+    per-round ratios' median."""
     from holotrain.parallel.overlap_kernels import triton_matmul
 
     gen = torch.Generator(device="cuda").manual_seed(2000 + dist.get_rank())
     if "fused" in comms and args.e2e_tiles:
         set_tiles(comms["fused"], args.e2e_tiles)
     out = result.setdefault("rounds", {"tiles": str(comms["fused"].fused.tiles) if "fused" in comms else None,
-                                       "rounds": args.rounds, "iters": args.iters, "per_round": []})
+                                       "rounds": args.rounds, "iters": args.iters, "settle_s": args.settle_s,
+                                       "window_s": args.window_s, "per_round": []})
     variants = {}
     for direction in ("ag", "rs"):
         a, w = inputs(direction, *LARGE, world, gen)
@@ -280,14 +320,32 @@ def run_rounds(args, comms, world, result, save):
                if k != "async_tp" or "async_tp" in comms}
         gathered = torch.cat([a] * world) if direction == "ag" else a
         if "fused" in comms:
-            ops["triton_gemm"] = lambda g=gathered, w=w: triton_matmul(g, w, "nk", comms["fused"].fused.tiles)
+            base = comms["fused"].fused.tiles
+            ops["triton_gemm"] = lambda g=gathered, w=w: triton_matmul(g, w, "nk", base)
+            if direction == "ag" and args.rounds_diag:  # wrong results by design: what waiting and copies cost
+                for d in ("no_wait", "no_comm"):
+                    ops[f"fused_{d}"] = lambda a=a, w=w, d=d: comms["fused"].fused.all_gather_matmul(a, w, diag=d)
+            if direction == "rs" and args.rounds_diag:  # no NVLink stores, no waits (a wrong result by design)
+                ops["fused_local_stores"] = lambda a=a, w=w: comms["fused"].fused.matmul_reduce_scatter(
+                    a, w, diag_local_stores=True)
+            for text in filter(None, args.rounds_alt.split(",")):  # the same ops with other tiles
+                from holotrain.parallel.overlap_kernels import Tiles
+
+                alt = Tiles(**parse_tiles(text))
+                if direction == "rs" and dataclasses.replace(alt, core=0, epi=1, flat=0) == \
+                        dataclasses.replace(base, core=0, epi=1, flat=0):
+                    continue  # core, epi and flat change only the all-gather kernel
+                ops[f"fused {text}"] = lambda fn=ops["fused"], alt=alt: with_tiles(comms["fused"], alt, fn)
+                ops[f"gemm {text}"] = lambda g=gathered, w=w, alt=alt: triton_matmul(g, w, "nk", alt)
         variants[direction] = ops
     for _ in range(args.rounds):
         this = {}
         for direction, ops in variants.items():
             r = {}
-            for name, fn in ops.items():
-                attempt(r, name, lambda fn=fn: time_ms(fn, args.iters, args.warmup))
+            names = list(ops)
+            names = names[len(out["per_round"]) % len(names):] + names[:len(out["per_round"]) % len(names)]
+            for name in names:  # each round starts one variant later: no variant always follows the same one
+                attempt(r, name, lambda fn=ops[name], name=name, r=r: steady_ms(fn, args, r, f"{name}_mhz"))
             r.update(derived(r))
             this[direction] = r
         out["per_round"].append(this)
@@ -301,6 +359,15 @@ def run_rounds(args, comms, world, result, save):
     out["median"] = summary
     log("rounds: " + json.dumps(summary))
     save()
+    if args.rounds_diag:  # where a call's time goes in the steady state: 3 calls back to back after settling
+        for direction, name in (("ag", "fused"), ("ag", "async_tp"), ("rs", "fused"), ("rs", "async_tp")):
+            if name in variants[direction]:
+                key = f"steady timeline {direction} {name}"
+                attempt(out, key, lambda: gpu_timeline(variants[direction][name], calls=3, settle_s=args.settle_s))
+                if out.get(key):
+                    log(key + ":\n" + "\n".join(f"  {r[0]:48s} s{r[1]} +{r[2]:8.1f} us {r[3]:8.1f} us"
+                                                  for r in out[key]))
+        save()
 
 
 def profile_step(fn, top: int = 12) -> list:
@@ -404,16 +471,24 @@ def clocked(fn, seconds: float, warmup: int) -> dict:
     return {"ms": round(t.item(), 4), "calls": int(iters), **clock.summary()}
 
 
-def gpu_timeline(fn, path: Path | None = None) -> list:
-    """One call of fn under the profiler: this rank's GPU activities (kernels, copies) in start order as
-    [name, stream, start us, duration us], relative to the first; where the time of a fused call goes."""
+def gpu_timeline(fn, path: Path | None = None, calls: int = 1, settle_s: float = 0.0) -> list:
+    """`calls` back-to-back calls of fn under the profiler (after settle_s seconds of calls: the power steady
+    state): this rank's GPU activities (kernels, copies) in start order as [name, stream, start us, duration us],
+    relative to the first; where the time of a fused call goes."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
+    settle = 0
+    if settle_s > 0:
+        est = time_ms(fn, 3, 1)  # the slower rank's ms per call: both ranks settle with the same number of calls
+        settle = int(settle_s * 1000 / max(est, 1e-3))
+    for _ in range(settle):
+        fn()
     torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
     tmp = Path(f"/tmp/holotrain-timeline-{dist.get_rank()}.json")
     prof.export_chrome_trace(str(tmp))
@@ -617,8 +692,9 @@ def markdown(result) -> str:
             for t, r in result["tiles"].items()), ""]
     rounds = result.get("rounds") or {}
     if rounds.get("median"):
-        lines += [f"Large shape {LARGE}, {len(rounds['per_round'])} interleaved rounds of {rounds['iters']} calls per "
-                  f"variant (fused tiles {rounds['tiles']}); medians over rounds, ms:", "",
+        lines += [f"Large shape {LARGE}, {len(rounds['per_round'])} interleaved rounds, each variant timed over "
+                  f">= {rounds.get('window_s', '-')} s after {rounds.get('settle_s', '-')} s of settling (fused tiles "
+                  f"{rounds['tiles']}); medians over rounds, ms:", "",
                   "| dir | comm | GEMM (cuBLAS) | Triton GEMM | sequential | async-TP | fused | eff. async-TP | "
                   "eff. fused | fused vs async-TP |", "|---|---|---|---|---|---|---|---|---|---|"]
         targets = []
@@ -632,7 +708,17 @@ def markdown(result) -> str:
             met = (m.get("fused_efficiency") or 0) >= 0.9 and (m.get("fused_vs_async_tp") or 0) >= 1.10
             targets.append(f"Target ({d}, rounds): efficiency >= 90% and >= 1.10x async-TP: {eff}, {speedup} -> "
                            f"{'MET' if met else 'NOT MET'}")
-        lines += [""] + targets + [""]
+        for d, m in rounds["median"].items():
+            for k in m:
+                if k.startswith("fused ") and not k.endswith(("_mhz", "_efficiency", "_vs_async_tp")):
+                    tiles = k[len("fused "):]
+                    lines.append(f"Other tiles, {d}, {tiles}: fused {m[k]:.3f} ms, GEMM alone "
+                                 f"{m.get('gemm ' + tiles, float('nan')):.3f} ms, efficiency "
+                                 f"{m.get(k + '_efficiency', float('nan')):.0%}, vs async-TP "
+                                 f"{m.get(k + '_vs_async_tp', float('nan')):.2f}x")
+        clocks = [f"{'AG' if d == 'ag' else 'RS'}: " + ", ".join(
+            f"{k[:-4]} {m[k]:.0f}" for k in m if k.endswith("_mhz")) for d, m in rounds["median"].items()]
+        lines += [""] + targets + ["", "Mean SM clock while each variant ran (MHz, rank 0): " + "; ".join(clocks), ""]
     if result.get("e2e"):
         lines += ["| 1.4b TP=2, T=2048, B=8 | tokens/s | step ms | host ms | TFLOP/s per GPU | peak GB | vs none |",
                   "|---|---|---|---|---|---|---|"]
@@ -662,6 +748,11 @@ def main() -> None:
     p.add_argument("--modes", default="none,async_tp,fused", help="end-to-end tp_overlap modes")
     p.add_argument("--tune-budget", type=float, default=80, help="seconds of tile tuning (compiles included)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds-diag", type=int, default=0, help="rounds: 1 adds the all-gather's no-wait / no-comm "
+                                                                  "variants and steady-state timelines")
+    p.add_argument("--rounds-alt", default="", help="rounds: comma list of other fused tiles measured beside")
+    p.add_argument("--settle-s", type=float, default=0.3, help="rounds: seconds each variant runs before it is timed")
+    p.add_argument("--window-s", type=float, default=0.2, help="rounds: at least this many seconds timed per variant")
     p.add_argument("--rounds", type=int, default=10, help="rounds: interleaved rounds on the large shape")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--preset", default="1.4b")

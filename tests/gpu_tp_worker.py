@@ -192,21 +192,23 @@ def main() -> None:
         keep = [_Symm(group, n, device, f"stress buffer {i}") for i, n in enumerate(sizes)]
         return f"{len(keep)} buffers of {min(sizes)}..{max(sizes)} bytes, every marker read back on every rank"
 
-    # The Triton GEMM alone against cuBLAS.
+    # The GEMM cores alone against cuBLAS: Triton, and the warp-specialized Gluon one (also on a ragged shape).
     def gemm_alone():
-        from holotrain.parallel.overlap_kernels import triton_matmul
+        from holotrain.parallel.overlap_kernels import Tiles, triton_matmul
 
         out = []
-        for layout in ("nk", "kn"):
-            a = rand(4096, 4096)
-            w = rand(3584, 4096, scale=4096 ** -0.5) if layout == "nk" else rand(4096, 3584, scale=4096 ** -0.5)
-            want = a @ (w.t() if layout == "nk" else w)
-            out.append(compare(f"triton matmul {layout}", triton_matmul(a, w, layout), want))
+        for core, (M, K, N) in ((0, (4096, 4096, 3584)), (1, (4096, 4096, 3584)), (1, (1000, 1040, 520))):
+            for layout in ("nk", "kn"):
+                a = rand(M, K)
+                w = rand(N, K, scale=K ** -0.5) if layout == "nk" else rand(K, N, scale=K ** -0.5)
+                want = a @ (w.t() if layout == "nk" else w)
+                got = triton_matmul(a, w, layout, Tiles(core=core))
+                out.append(compare(f"core {core} {M}x{K}x{N} {layout}", got, want))
         return " ".join(out)
 
     if "fused" in comms and "basic" in groups:
         check("symmetric-memory self-test x24 (fresh buffers)", symm_stress, comms)
-        check("triton GEMM alone vs cuBLAS (nk, kn)", gemm_alone, comms, fused=False)
+        check("Triton and Gluon GEMM alone vs cuBLAS (nk, kn)", gemm_alone, comms, fused=False)
 
     shapes = QUICK if quick else [s for g in ("basic", "large") if g in groups for s in GROUP_SHAPES[g]]
     for M, K, N in shapes:
@@ -221,11 +223,12 @@ def main() -> None:
                     continue
 
                 def ag(mode=mode, a=a, w=w, ref_g=ref_g, ref_y=ref_y, layout=layout):
-                    if mode == "fused":  # the default tiles, and flattened loops with a two-piece epilogue
+                    if mode == "fused":  # the default tiles, flattened loops with a two-piece epilogue, Gluon core
                         fused, results = comms[mode].fused, []
                         default = fused.tiles
                         try:
-                            for tiles in (default, dataclasses.replace(default, stages=4, flat=1, epi=2)):
+                            for tiles in (default, dataclasses.replace(default, stages=4, flat=1, epi=2),
+                                          dataclasses.replace(default, core=1)):
                                 fused.tiles = tiles
                                 y, g = poisoned((M, nl), device), poisoned((M, K), device)
                                 fused.all_gather_matmul(a, w, layout, out=y, gathered=g)

@@ -83,6 +83,9 @@ def test_tp_config_errors_name_the_key():
                                                      "flat": 1, "epi": 2}
     with pytest.raises(ConfigError, match=r"parallel.tp_tiles: -e \(epilogue pieces\) must be 1 or 2"):
         _cfg("--parallel.tp_tiles=128x256x64-e3")
+    assert parse_tiles("128x256x64-s3-w8-c1")["core"] == 1
+    with pytest.raises(ConfigError, match=r"parallel.tp_tiles: the warp-specialized core \(-c1\) needs BM = 128"):
+        _cfg("--parallel.tp_tiles=64x256x64-c1")
 
 
 @pytest.mark.slow

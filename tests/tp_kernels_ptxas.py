@@ -20,15 +20,46 @@ from holotrain.parallel import overlap_kernels as ok  # noqa: E402
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def ptxas_report(fn, signature: dict, constexprs: dict, tiles: ok.Tiles, tmp: Path) -> str:
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+def ptxas_report(fn, signature: dict, constexprs: dict, tiles: ok.Tiles, tmp: Path, source=ASTSource,
+                 options: dict | None = None) -> tuple[str, str]:
+    """(ptxas -v output, PTX) of fn compiled for sm_90a."""
+    kernel = triton.compile(source(fn=fn, signature=signature, constexprs=constexprs),
                             target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": tiles.warps, "num_stages": tiles.stages})
+                            options=options or {"num_warps": tiles.warps, "num_stages": tiles.stages})
     ptx = tmp / f"{fn.__name__}.ptx"
     ptx.write_text(kernel.asm["ptx"])
     proc = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
                           capture_output=True, text=True, check=True)
-    return proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr, kernel.asm["ptx"]
+
+
+def gluon_variant(tmp: Path) -> tuple[str, str]:
+    """The warp-specialized Gluon all-gather GEMM (tiles 128x256x64, 3 stages): it must also hand registers from
+    the producer warp to the consumers (setmaxnreg)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from holotrain.parallel import gluon_gemm as gg
+
+    def desc(block):
+        return f"tensordesc<bf16[{','.join(map(str, block))}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
+
+    t = gg.WSTiles()
+    sig = {"own_desc": desc([t.bm, t.bk]), "a_desc": desc([t.bm, t.bk]), "b_desc": desc([t.bn, t.bk]),
+           "c_desc": desc([1, t.bm, t.bn]), "flags_ptr": "*i32", "err_ptr": "*i32",
+           **{k: "i32" for k in ("rank", "world", "m", "N", "K", "piece_rows", "splits", "spin_limit")}}
+    consts = {"GROUP_M": t.group_m, "STAGES": t.stages, "B_NK": True, "FENCE": True, "num_warps": 8}
+    sig.update({k: "constexpr" for k in consts})
+    return ptxas_report(gg.ag_gemm_ws_kernel, sig, consts, ok.Tiles(), tmp, GluonASTSource,
+                        {"num_warps": 8, "maxnreg": t.maxnreg})
+
+
+def check(what: str, report: str, failures: list) -> None:
+    lines = [ln.strip() for ln in report.splitlines() if "spill" in ln or "registers" in ln or "serialized" in ln]
+    print(f"{what}: " + " | ".join(lines))
+    clean = "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
+    if any("serialized" in ln or ("spill" in ln and not ln.startswith(clean)) for ln in lines):
+        failures.append(what)
 
 
 def main():
@@ -58,14 +89,12 @@ def main():
             sig_c = {**sig, **{k: "constexpr" for k in c}}
             if extra.get("EPI") == 2:
                 sig_c["c_desc"] = f"tensordesc<bf16[1,{bm},{bn // 2}]>"
-            report = ptxas_report(fn, sig_c, c, t, Path(tmp))
-            lines = [ln.strip() for ln in report.splitlines() if "spill" in ln or "registers" in ln
-                     or "serialized" in ln]
-            what = f"{fn.__name__} {extra} stages {t.stages}"
-            print(f"{what}: " + " | ".join(lines))
-            clean = "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
-            if any("serialized" in ln or ("spill" in ln and not ln.startswith(clean)) for ln in lines):
-                failures.append(what)
+            report, _ = ptxas_report(fn, sig_c, c, t, Path(tmp))
+            check(f"{fn.__name__} {extra} stages {t.stages}", report, failures)
+        report, ptx = gluon_variant(Path(tmp))
+        check("ag_gemm_ws_kernel (Gluon)", report, failures)
+        if "setmaxnreg" not in ptx:
+            failures.append("ag_gemm_ws_kernel: no setmaxnreg (the producer keeps its registers)")
     if failures:
         raise SystemExit("register spills or serialized wgmma in: " + ", ".join(failures))
     print("PTXAS CHECKS OK")

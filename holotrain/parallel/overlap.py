@@ -38,15 +38,20 @@ MODES = ("none", "async_tp", "fused")
 
 def parse_tiles(text: str):
     """'128x256x64-s3-w8-g8-r2' -> overlap_kernels.Tiles fields (dict); raises ConfigError naming parallel.tp_tiles."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)((?:-[swgrdxfe]\d+)*)", text.strip())
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)((?:-[swgrdxfec]\d+)*)", text.strip())
     if not m:
         raise ConfigError("parallel.tp_tiles: expected BMxBNxBK[-sSTAGES][-wWARPS][-gGROUP_M][-rRESERVED_SMS]"
-                          f"[-d0|1][-x0|1][-f0|1][-e1|2], e.g. 128x256x64-s3-w8, got {text!r}")
+                          f"[-d0|1][-x0|1][-f0|1][-e1|2][-c0|1], e.g. 128x256x64-s3-w8, got {text!r}")
     fields = {"bm": int(m[1]), "bn": int(m[2]), "bk": int(m[3])}
     names = {"s": "stages", "w": "warps", "g": "group_m", "r": "reserve_sms", "d": "dynamic", "x": "ws", "f": "flat",
-             "e": "epi"}
+             "e": "epi", "c": "core"}
     for part in filter(None, m[4].split("-")):
         fields[names[part[0]]] = int(part[1:])
+    if fields.get("core", 0) == 1 and (fields["bm"] != 128 or fields.get("warps", 8) != 8 or fields["bn"] > 256):
+        raise ConfigError("parallel.tp_tiles: the warp-specialized core (-c1) needs BM = 128, BN <= 256 and 8 warps, "
+                          f"got {text!r}")
+    if fields.get("core", 0) not in (0, 1):
+        raise ConfigError(f"parallel.tp_tiles: -c (GEMM core) must be 0 or 1, got {fields['core']}")
     if fields.get("epi", 1) not in (1, 2):
         raise ConfigError(f"parallel.tp_tiles: -e (epilogue pieces) must be 1 or 2, got {fields['epi']}")
     for key in ("bm", "bn", "bk"):

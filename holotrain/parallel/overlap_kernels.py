@@ -65,10 +65,11 @@ class Tiles:
     ws: int = 0  # Triton's automatic warp specialization of the K loop (experimental on Hopper)
     flat: int = 0  # all-gather GEMM: tile and K loops flattened into one pipeline
     epi: int = 1  # all-gather GEMM: the epilogue's TMA stores in 1 or 2 column pieces
+    core: int = 0  # all-gather GEMM: 0 this file's Triton kernel, 1 the warp-specialized Gluon one (gluon_gemm.py)
 
     def __str__(self) -> str:
         return (f"{self.bm}x{self.bn}x{self.bk}-s{self.stages}-w{self.warps}-g{self.group_m}-r{self.reserve_sms}"
-                f"-d{self.dynamic}-x{self.ws}-f{self.flat}-e{self.epi}")
+                f"-d{self.dynamic}-x{self.ws}-f{self.flat}-e{self.epi}-c{self.core}")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -492,8 +493,11 @@ class FusedTP:
         return piece_rows, _cdiv(m, piece_rows)
 
     def all_gather_matmul(self, a_shard: torch.Tensor, w: torch.Tensor, layout: str = "nk",
-                          out: torch.Tensor | None = None, gathered: torch.Tensor | None = None):
-        """(gathered [M, K], gathered @ B [M, N]); `out` / `gathered`: contiguous outputs to write into."""
+                          out: torch.Tensor | None = None, gathered: torch.Tensor | None = None, diag: str = ""):
+        """(gathered [M, K], gathered @ B [M, N]); `out` / `gathered`: contiguous outputs to write into.
+        diag, for benchmarks (the result is wrong): "no_wait" raises every piece's flag before the GEMM starts (the
+        copies still run beside it), "no_comm" also leaves out the copies and the barrier: what waiting for pieces,
+        and the copies' traffic, cost the GEMM."""
         K, N = _check_operands("all_gather_matmul", a_shard, w, layout)
         a_shard, w = _aligned(a_shard), _aligned(w)
         m, W, rank, tiles = a_shard.shape[0], self.world, self.rank, self.tiles
@@ -508,37 +512,55 @@ class FusedTP:
         self.ag_calls += 1
         slot_off = HEADER + parity * slot_bytes
         piece_rows, splits = self._pieces(m, K * elt)
-        flags = torch.zeros(max(1, (W - 1) * splits), dtype=torch.int32, device=self.device)
+        flags = (torch.ones if diag else torch.zeros)(max(1, (W - 1) * splits), dtype=torch.int32, device=self.device)
 
+        # The copies go first, on high-priority streams: the shard's copy into the symmetric buffer is what the
+        # peer waits for. Same-device copies run on SMs, so the GEMM starts ~130 us later, once they are done; with
+        # the GEMM first (tried: a high-priority GEMM stream), a copy on the SMs it leaves free took up to 1 ms on
+        # one rank, and the pieces reached the GEMM later: no faster, and fragile at larger world sizes.
         compute = torch.cuda.current_stream(self.device)
         self.local_stream.wait_stream(compute)
         self.copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self.local_stream):  # own rows into the gathered output (the GEMM reads the shard)
-            gathered[rank * m: (rank + 1) * m].copy_(a_shard)
-        with torch.cuda.stream(self.copy_stream):
-            ws.view(rank, slot_off, (m, K), dtype).copy_(a_shard)
-            ws.handle.barrier(channel=0, timeout_ms=self.barrier_timeout_ms)  # every shard is in its buffer
-            for s in range(1, W):
-                src = (rank + s) % W
-                peer = ws.view(src, slot_off, (m, K), dtype)
-                for p in range(splits):
-                    r0, r1 = p * piece_rows, min(m, (p + 1) * piece_rows)
-                    gathered[src * m + r0: src * m + r1].copy_(peer[r0:r1])  # copy engine, over NVLink
-                    _write_flag(flags, (s - 1) * splits + p)
+        if diag != "no_comm":
+            with torch.cuda.stream(self.local_stream):  # own rows into the gathered output (the GEMM reads the shard)
+                gathered[rank * m: (rank + 1) * m].copy_(a_shard)
+            with torch.cuda.stream(self.copy_stream):
+                ws.view(rank, slot_off, (m, K), dtype).copy_(a_shard)
+                ws.handle.barrier(channel=0, timeout_ms=self.barrier_timeout_ms)  # every shard is in its buffer
+                for s in range(1, W):
+                    src = (rank + s) % W
+                    peer = ws.view(src, slot_off, (m, K), dtype)
+                    for p in range(splits):
+                        r0, r1 = p * piece_rows, min(m, (p + 1) * piece_rows)
+                        gathered[src * m + r0: src * m + r1].copy_(peer[r0:r1])  # copy engine, over NVLink
+                        _write_flag(flags, (s - 1) * splits + p)
 
         total = _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn) * W
         grid = max(1, min(total, self.num_sms - tiles.reserve_sms))
-        own_desc = TensorDescriptor.from_tensor(a_shard, [tiles.bm, tiles.bk])
-        a_desc = TensorDescriptor.from_tensor(gathered, [tiles.bm, tiles.bk])
-        c_desc = _c_desc(y, W, m, N, tiles)
+        if tiles.core == 1:
+            from holotrain.parallel import gluon_gemm as gg
 
-        def launch(w, layout, fence):
-            ag_gemm_kernel[(grid,)](
-                own_desc, a_desc, _b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K, piece_rows,
-                splits, self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m,
-                B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), FLAT=bool(tiles.flat), EPI=tiles.epi,
-                num_stages=tiles.stages, num_warps=tiles.warps,
-            )
+            ws_tiles = gg.WSTiles(bm=tiles.bm, bn=tiles.bn, bk=tiles.bk, stages=tiles.stages, group_m=tiles.group_m)
+            own_desc, a_desc = gg.a_desc(a_shard, ws_tiles), gg.a_desc(gathered, ws_tiles)
+            c_desc = gg.c_desc(y, W, m, N, ws_tiles)
+
+            def launch(w, layout, fence):
+                gg.ag_gemm_ws_kernel[(grid,)](
+                    own_desc, a_desc, gg.b_desc(w, layout, ws_tiles), c_desc, flags, self.error, rank, W, m, N, K,
+                    piece_rows, splits, self.spin_limit, GROUP_M=tiles.group_m, STAGES=tiles.stages,
+                    B_NK=layout == "nk", FENCE=fence, num_warps=8, maxnreg=ws_tiles.maxnreg)
+        else:
+            own_desc = TensorDescriptor.from_tensor(a_shard, [tiles.bm, tiles.bk])
+            a_desc = TensorDescriptor.from_tensor(gathered, [tiles.bm, tiles.bk])
+            c_desc = _c_desc(y, W, m, N, tiles)
+
+            def launch(w, layout, fence):
+                ag_gemm_kernel[(grid,)](
+                    own_desc, a_desc, _b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K,
+                    piece_rows, splits, self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
+                    GROUP_M=tiles.group_m, B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), FLAT=bool(tiles.flat),
+                    EPI=tiles.epi, num_stages=tiles.stages, num_warps=tiles.warps,
+                )
 
         self._launch(launch, w, layout)
         compute.wait_stream(self.copy_stream)
@@ -601,6 +623,11 @@ def triton_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: T
     K, N = _check_operands("matmul", a, w, layout)
     a, w = _aligned(a), _aligned(w)
     M = a.shape[0]
+    if tiles.core == 1:
+        from holotrain.parallel import gluon_gemm as gg
+
+        return gg.ws_matmul(a, w, layout, gg.WSTiles(bm=tiles.bm, bn=tiles.bn, bk=tiles.bk, stages=tiles.stages,
+                                                     group_m=tiles.group_m), num_sms=num_sms)
     y = torch.empty((M, N), dtype=a.dtype, device=a.device)
     flags = torch.ones(1, dtype=torch.int32, device=a.device)  # unread: one rank's rows are all its own
     error = torch.zeros(1, dtype=torch.int32, device=a.device)
