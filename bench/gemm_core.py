@@ -25,28 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SHAPES = {"ag": (16384, 8192, 7168), "rs": (16384, 7168, 8192)}  # M, K, N
 
 
-def time_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    events[0].record()
-    for i in range(iters):
-        fn()
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(iters))
-
-
-def steady_ms(fn, settle_s: float, window_s: float, clock) -> tuple[float, float]:
+def steady_ms(fn, settle_s: float, window_s: float) -> tuple[float, float]:
     """(median ms per call, mean SM MHz) after settle_s seconds of back-to-back calls (the H200's power limiter
     averages over tens to hundreds of ms), timed over at least window_s seconds."""
-    est = time_ms(fn, 3, 1)
+    from overlap import ClockSampler, median_call_ms  # bench/overlap.py
+
+    fn()
+    est = median_call_ms(fn, 3)
     for _ in range(int(settle_s * 1000 / est)):
         fn()
-    with clock() as c:
-        ms = time_ms(fn, max(10, int(window_s * 1000 / est)), 0)
-    return ms, float(c.summary().get("sm_mhz_mean", 0))
+    with ClockSampler() as clock:
+        ms = median_call_ms(fn, max(10, int(window_s * 1000 / est)))
+    return ms, float(clock.summary().get("sm_mhz_mean", 0))
 
 
 def main() -> None:
@@ -54,19 +44,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--settle-s", type=float, default=0.3, help="seconds each variant runs before it is timed")
     p.add_argument("--window-s", type=float, default=0.2, help="at least this many seconds timed per variant")
-    p.add_argument("--ws", default="ws128x256x64-s3-g8-r168,ws128x256x64-s3-g16-r168",
-                   help="comma list of Gluon tile configurations (WSTiles' str form)")
+    p.add_argument("--ws", default="128x256x64-s3-g8,128x256x64-s3-g16",
+                   help="comma list of tiles for the Gluon core (parallel.tp_tiles' form; BM 128, 8 warps)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
-    from holotrain.parallel.gluon_gemm import WSTiles, ws_matmul
+    from holotrain.parallel.gluon_gemm import ws_matmul
+    from holotrain.parallel.overlap import parse_tiles
     from holotrain.parallel.overlap_kernels import Tiles, triton_matmul
-    from overlap import ClockSampler  # bench/overlap.py
-
-    def parse_ws(text: str) -> WSTiles:
-        shape, s, g, r = text[2:].split("-")
-        bm, bn, bk = (int(x) for x in shape.split("x"))
-        return WSTiles(bm=bm, bn=bn, bk=bk, stages=int(s[1:]), group_m=int(g[1:]), maxnreg=int(r[1:]))
 
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, (1,)).item()))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": SHAPES,
@@ -78,7 +63,7 @@ def main() -> None:
         ref = (a @ w.t()).float()
         ops = {"cublas": lambda a=a, w=w: a @ w.t(), "triton": lambda a=a, w=w: triton_matmul(a, w, "nk", Tiles())}
         for text in args.ws.split(","):
-            ops[text] = lambda a=a, w=w, t=parse_ws(text): ws_matmul(a, w, "nk", t)
+            ops[f"gluon {text}"] = lambda a=a, w=w, t=Tiles(**parse_tiles(text)): ws_matmul(a, w, "nk", t)
         for name, fn in list(ops.items()):
             try:
                 y = fn()
@@ -98,7 +83,7 @@ def main() -> None:
             names = list(ops)
             names = names[rnd % len(names):] + names[:rnd % len(names)]  # rotated: no variant always follows another
             for name in names:
-                ms, mhz = steady_ms(ops[name], args.settle_s, args.window_s, ClockSampler)
+                ms, mhz = steady_ms(ops[name], args.settle_s, args.window_s)
                 this[f"{direction} {name}"] = ms
                 this[f"{direction} {name} MHz"] = mhz
         result["per_round"].append(this)

@@ -66,19 +66,24 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def time_ms(fn, iters: int, warmup: int) -> float:
-    """Median per-call time of back-to-back calls (ms), the slower rank's."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
+def median_call_ms(fn, iters: int) -> float:
+    """Median time (ms) of `iters` back-to-back calls of fn, each bracketed by CUDA events; this process only."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
     events[0].record()
     for i in range(iters):
         fn()
         events[i + 1].record()
     torch.cuda.synchronize()
-    med = statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(iters))
+    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(iters))
+
+
+def time_ms(fn, iters: int, warmup: int) -> float:
+    """Median per-call time of back-to-back calls (ms), the slower rank's."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    med = median_call_ms(fn, iters)
     t = torch.tensor([med], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()

@@ -110,7 +110,8 @@ class ParallelConfig:
     # "fused" (our Triton kernels: the GEMM consumes gathered tiles as they arrive and scatters as it goes).
     tp_overlap: str = "none"
     # Tiles of the fused kernels, "BMxBNxBK" with optional "-sSTAGES-wWARPS-gGROUP_M-rRESERVED_SMS-dDYNAMIC-xWS"
-    # (holotrain/parallel/overlap_kernels.py, Tiles); empty = the built-in default (bench/overlap.py tries a few).
+    # "-fFLAT-eEPILOGUE_PIECES-cCORE" (holotrain/parallel/overlap_kernels.py, Tiles; -c1: the all-gather GEMM on the
+    # warp-specialized Gluon core); empty = the built-in default (bench/overlap.py tries a few).
     tp_tiles: str = ""
 
 

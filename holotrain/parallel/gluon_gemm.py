@@ -1,11 +1,12 @@
 """A warp-specialized persistent GEMM for Hopper, written in Gluon (Triton's lower-level dialect).
 
-Why: Triton 3.6 does not warp-specialize its own GEMMs on Hopper, so every warp both issues the TMA loads and
-runs the wgmma pipeline, and the GEMM of the fused TP kernels ran 4-8% behind cuBLAS with no communication at all.
-Here one producer warp only issues TMA loads into a ring of shared-memory stages, running ahead across tiles
-(also through the epilogue), and two consumer warpgroups only wait, multiply (wgmma, one in flight behind the
-current one) and store; the producer gives up its registers (setmaxnreg) so the consumers hold a 128x256 fp32
-accumulator without spilling.
+Triton 3.6 does not warp-specialize its own GEMMs on Hopper: every warp both issues the TMA loads and runs the
+wgmma pipeline. Here one producer warp only issues TMA loads into a ring of shared-memory stages, running ahead
+across tiles (also through the epilogue), and two consumer warpgroups only wait, multiply (wgmma, one in flight
+behind the current one) and store; the producer gives up its registers (setmaxnreg) so the consumers hold a
+128x256 fp32 accumulator without spilling. Selected with the tile option -c1 (parallel.tp_tiles) for the fused
+all-gather GEMM. On the H200 at its power cap it runs even with cuBLAS and within 2% of the Triton kernel
+(bench/RESULTS.md), so it is not the default.
 
 Partitions, synchronized by mbarriers per stage:
   ready[s]: the producer's TMA loads of stage s landed (transaction bytes);
@@ -15,8 +16,6 @@ Both partitions walk the same tile sequence (`_tile`), so no tile index passes b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -25,48 +24,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-
-@dataclass(frozen=True)
-class WSTiles:
-    bm: int = 128
-    bn: int = 256
-    bk: int = 64
-    stages: int = 3
-    group_m: int = 8
-    maxnreg: int = 168  # per thread over all 12 warps: the producer keeps 24, the consumers get 240
-
-    def __str__(self) -> str:
-        return f"ws{self.bm}x{self.bn}x{self.bk}-s{self.stages}-g{self.group_m}-r{self.maxnreg}"
+from holotrain.parallel import overlap_kernels as ok
 
 
-@gluon.jit
-def _tile(t, tiles_m, tiles_n, GROUP_M: gl.constexpr):
-    """Tile t in grouped order (GROUP_M row tiles sweep the columns together, for L2 reuse)."""
-    per_group = GROUP_M * tiles_n
-    first_m = (t // per_group) * GROUP_M
-    rows_in_group = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (t % per_group) % rows_in_group
-    pid_n = (t % per_group) // rows_in_group
-    return pid_m, pid_n
+# Registers per thread over all 12 warps (the launch's maxnreg): the producer keeps 24, the consumers get 240.
+MAXNREG = 168
 
 
-@gluon.jit
-def _wait_at_least(ptr, target, spin_limit, err_ptr, code):
-    """Spin until *ptr >= target (acquire, system scope); after spin_limit polls, record `code` and go on."""
-    v = gl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-    n = 0
-    while (v < target) & (n < spin_limit):
-        v = gl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        n += 1
-    if v < target:
-        gl.atomic_xchg(err_ptr, code)
-
-
-@gluon.jit
-def _proxy_fence(x):
-    # Orders the generic-proxy acquire above before the async-proxy (TMA) loads that follow it.
-    return gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=False, pack=1)
+# The Triton kernels' scalar helpers, compiled as Gluon (the same source; Gluon's own standard library does this).
+_tile = gluon.jit(ok._tile.fn)  # tile t in grouped order (GROUP_M row tiles sweep the columns together)
+_wait_at_least = gluon.jit(ok._wait_at_least.fn)  # spin on a flag (acquire, system scope), give up after a limit
+_proxy_fence = gluon.jit(ok._proxy_fence.fn)  # the acquire above before the TMA loads that follow it
 
 
 @gluon.jit
@@ -208,24 +176,24 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-def a_desc(a: torch.Tensor, tiles: WSTiles) -> TensorDescriptor:
+def a_desc(a: torch.Tensor, tiles: ok.Tiles) -> TensorDescriptor:
     return _desc(a, [tiles.bm, tiles.bk])
 
 
-def b_desc(w: torch.Tensor, layout: str, tiles: WSTiles) -> TensorDescriptor:
+def b_desc(w: torch.Tensor, layout: str, tiles: ok.Tiles) -> TensorDescriptor:
     return _desc(w, [tiles.bn, tiles.bk] if layout == "nk" else [tiles.bk, tiles.bn])
 
 
-def c_desc(y: torch.Tensor, world: int, m: int, N: int, tiles: WSTiles) -> TensorDescriptor:
+def c_desc(y: torch.Tensor, world: int, m: int, N: int, tiles: ok.Tiles) -> TensorDescriptor:
     """The output [world * m, N] as [world, m, N]: a tile's store stops at its chunk's end."""
     return _desc(y.view(world, m, N), [1, tiles.bm, tiles.bn])
 
 
-def ws_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: WSTiles | None = None,
+def ws_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: ok.Tiles | None = None,
               out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
     """a [M, K] @ B, with w = B as [N, K] ("nk", nn.Linear's weight) or [K, N] ("kn"); bf16/fp16, fp32 accumulation.
     The all-gather kernel with one rank: every row is its own."""
-    tiles = tiles or WSTiles()
+    tiles = tiles or ok.Tiles(core=1)
     M, K = a.shape
     N = w.shape[0] if layout == "nk" else w.shape[1]
     y = out if out is not None else torch.empty((M, N), dtype=a.dtype, device=a.device)
@@ -238,5 +206,5 @@ def ws_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: WSTil
     ag_gemm_ws_kernel[(grid,)](a_d, a_d, b_desc(w, layout, tiles), c_desc(y, 1, M, N, tiles), flags, error,
                                0, 1, M, N, K, max(tiles.bm, M), 1, 1 << 20, GROUP_M=tiles.group_m,
                                STAGES=tiles.stages, B_NK=layout == "nk", FENCE=True, num_warps=8,
-                               maxnreg=tiles.maxnreg)
+                               maxnreg=MAXNREG)
     return y

@@ -540,15 +540,14 @@ class FusedTP:
         if tiles.core == 1:
             from holotrain.parallel import gluon_gemm as gg
 
-            ws_tiles = gg.WSTiles(bm=tiles.bm, bn=tiles.bn, bk=tiles.bk, stages=tiles.stages, group_m=tiles.group_m)
-            own_desc, a_desc = gg.a_desc(a_shard, ws_tiles), gg.a_desc(gathered, ws_tiles)
-            c_desc = gg.c_desc(y, W, m, N, ws_tiles)
+            own_desc, a_desc = gg.a_desc(a_shard, tiles), gg.a_desc(gathered, tiles)
+            c_desc = gg.c_desc(y, W, m, N, tiles)
 
             def launch(w, layout, fence):
                 gg.ag_gemm_ws_kernel[(grid,)](
-                    own_desc, a_desc, gg.b_desc(w, layout, ws_tiles), c_desc, flags, self.error, rank, W, m, N, K,
+                    own_desc, a_desc, gg.b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K,
                     piece_rows, splits, self.spin_limit, GROUP_M=tiles.group_m, STAGES=tiles.stages,
-                    B_NK=layout == "nk", FENCE=fence, num_warps=8, maxnreg=ws_tiles.maxnreg)
+                    B_NK=layout == "nk", FENCE=fence, num_warps=8, maxnreg=gg.MAXNREG)
         else:
             own_desc = TensorDescriptor.from_tensor(a_shard, [tiles.bm, tiles.bk])
             a_desc = TensorDescriptor.from_tensor(gathered, [tiles.bm, tiles.bk])
@@ -626,8 +625,7 @@ def triton_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: T
     if tiles.core == 1:
         from holotrain.parallel import gluon_gemm as gg
 
-        return gg.ws_matmul(a, w, layout, gg.WSTiles(bm=tiles.bm, bn=tiles.bn, bk=tiles.bk, stages=tiles.stages,
-                                                     group_m=tiles.group_m), num_sms=num_sms)
+        return gg.ws_matmul(a, w, layout, tiles, num_sms=num_sms)
     y = torch.empty((M, N), dtype=a.dtype, device=a.device)
     flags = torch.ones(1, dtype=torch.int32, device=a.device)  # unread: one rank's rows are all its own
     error = torch.zeros(1, dtype=torch.int32, device=a.device)
