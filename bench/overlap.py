@@ -268,19 +268,13 @@ def run_kernels(args, comms, world, result, save):
         torch.cuda.empty_cache()
 
 
-def with_attr(obj, name: str, value, fn):
-    """fn() with obj.name set to value for the call."""
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
+def with_tiles(comm: TPComm, tiles, fn):
+    """fn() with the fused path's tiles set to `tiles` for the call."""
+    saved, comm.fused.tiles = comm.fused.tiles, tiles
     try:
         return fn()
     finally:
-        setattr(obj, name, saved)
-
-
-def with_tiles(comm: TPComm, tiles, fn):
-    """fn() with the fused path's tiles set to `tiles` for the call."""
-    return with_attr(comm.fused, "tiles", tiles, fn)
+        comm.fused.tiles = saved
 
 
 def steady_ms(fn, args, into: dict, key: str) -> float:
@@ -310,7 +304,7 @@ def run_rounds(args, comms, world, result, save):
     in its power steady state (steady_ms), --rounds rounds with the order rotated each round, so that drift in the
     clock or power state over the run falls on all variants alike; per variant the median over rounds, and the
     per-round ratios' median."""
-    from holotrain.parallel.overlap_kernels import triton_matmul
+    from holotrain.parallel.overlap_kernels import Tiles, triton_matmul
 
     gen = torch.Generator(device="cuda").manual_seed(2000 + dist.get_rank())
     if "fused" in comms and args.e2e_tiles:
@@ -334,8 +328,6 @@ def run_rounds(args, comms, world, result, save):
                 ops["fused_local_stores"] = lambda a=a, w=w: comms["fused"].fused.matmul_reduce_scatter(
                     a, w, diag_local_stores=True)
             for text in filter(None, args.rounds_alt.split(",")):  # the same ops with other tiles
-                from holotrain.parallel.overlap_kernels import Tiles
-
                 alt = Tiles(**parse_tiles(text))
                 if direction == "rs" and dataclasses.replace(alt, core=0, epi=1, flat=0) == \
                         dataclasses.replace(base, core=0, epi=1, flat=0):
@@ -754,7 +746,7 @@ def main() -> None:
     p.add_argument("--tune-budget", type=float, default=80, help="seconds of tile tuning (compiles included)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds-diag", type=int, default=0, help="rounds: 1 adds the all-gather's no-wait / no-comm "
-                                                                  "variants and steady-state timelines")
+                   "variants, the reduce-scatter's local-stores variant and steady-state timelines")
     p.add_argument("--rounds-alt", default="", help="rounds: comma list of other fused tiles measured beside")
     p.add_argument("--settle-s", type=float, default=0.3, help="rounds: seconds each variant runs before it is timed")
     p.add_argument("--window-s", type=float, default=0.2, help="rounds: at least this many seconds timed per variant")

@@ -148,11 +148,12 @@ def ag_gemm_ws_kernel(own_desc, a_desc, b_desc, c_desc, flags_ptr, err_ptr,
     """C = A @ B with A the gathered rows [world * m, K], arriving chunk by chunk; the same contract as
     overlap_kernels.ag_gemm_kernel (own rows from own_desc at once, the peers' from a_desc once piece p of the
     s-th arriving peer chunk has flags[(s - 1) * splits + p] = 1; C as [world, m, N]). world = 1: a plain GEMM."""
+    BM: gl.constexpr = c_desc.block_type.shape[1]
     BN: gl.constexpr = c_desc.block_type.shape[2]
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    BM: gl.constexpr = c_desc.block_type.shape[1]
+    # 2-D for the register store; the TMA store takes it as [1, BM, BN], c_desc's block.
     c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

@@ -47,9 +47,10 @@ def parse_tiles(text: str):
              "e": "epi", "c": "core"}
     for part in filter(None, m[4].split("-")):
         fields[names[part[0]]] = int(part[1:])
-    if fields.get("core", 0) == 1 and (fields["bm"] != 128 or fields.get("warps", 8) != 8 or fields["bn"] > 256):
-        raise ConfigError("parallel.tp_tiles: the warp-specialized core (-c1) needs BM = 128, BN <= 256 and 8 warps, "
-                          f"got {text!r}")
+    if fields.get("core", 0) == 1 and (fields["bm"] != 128 or fields.get("warps", 8) != 8 or fields["bn"] > 256
+                                       or fields.get("stages", 3) < 2):
+        raise ConfigError("parallel.tp_tiles: the warp-specialized core (-c1) needs BM = 128, BN <= 256, 8 warps and "
+                          f"at least 2 stages, got {text!r}")
     if fields.get("core", 0) not in (0, 1):
         raise ConfigError(f"parallel.tp_tiles: -c (GEMM core) must be 0 or 1, got {fields['core']}")
     if fields.get("epi", 1) not in (1, 2):
