@@ -50,8 +50,8 @@ def main() -> None:
     args = p.parse_args()
 
     from holotrain.parallel.gluon_gemm import ws_matmul
-    from holotrain.parallel.overlap import parse_tiles
-    from holotrain.parallel.overlap_kernels import Tiles, triton_matmul
+    from holotrain.parallel.overlap_kernels import triton_matmul
+    from holotrain.parallel.tiles import Tiles, parse_tiles
 
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, (1,)).item()))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": SHAPES,

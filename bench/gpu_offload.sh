@@ -14,10 +14,10 @@
 #   cpu   the CPU step's pieces on this host: memcpy and AdamW ceilings, loops before/after, threads, GIL. ~25 s.
 #   b     (b) 7b under a 24 GiB GPU cap, micro-batch 8 (measured peak at micro 4: 17.3 GB, the plan's activation
 #         estimate runs ~40% high) with clipping off, then micro 12. Without accumulation: an fp32 accumulator
-#         would take the host to ~122 GB for a 7B. (Micro 12 ran out of GPU memory on 2026-11-30.)
+#         would take the host to ~122 GB for a 7B. (Micro 12 needs expandable segments: see bmax.)
 #   b8, b10  (b) one trial: micro-batch 8, or 10.
-#   bmax  (b) micro-batch 12, else 10, with expandable segments (the loss in pieces of 8192 tokens since
-#         2026-11-30: one piece's logits alive instead of the micro-batch's).
+#   bmax  (b) micro-batch 12, else 10, with expandable segments (the loss in pieces of 8192 tokens: one piece's
+#         logits alive instead of the micro-batch's).
 #   bgil  (b) micro 12 at GIL switch intervals 5 ms (Python's) and 0.25 ms (the engine's default).
 #   bthreads  (b) micro 12 on the default update thread count, then on 12.
 #   c     (c) the whole machine: 14b at batch 4 with the smallest offload_ratio the memory plan fits.
@@ -55,8 +55,8 @@ for s in ${stages//,/ }; do
          --timeout 100
        stage 110 "(b) 7b, micro 12" --part b --sizes 7b --big-batch 12 --micro 12 --clips 0 --steps 3 --warmup 2 \
          --timeout 100 ;;
-    bmax) # the largest micro-batch that trains: 12, else 10 (expandable segments: the micro-10 OOM of 2026-11-30
-          # asked for 430 MiB with 4.7 GB under the cap, i.e. fragmentation)
+    bmax) # the largest micro-batch that trains: 12, else 10 (expandable segments: without them the allocator's
+          # fragmentation fails a 430 MiB request with 4.7 GB still under the cap)
           for m in 12 10; do
             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage 100 "(b) 7b, micro $m" --part b --sizes 7b \
               --big-batch $m --micro $m --clips 0 --steps 3 --warmup 2 --timeout 95

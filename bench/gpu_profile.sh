@@ -12,7 +12,7 @@ echo "bench/telemetry.py: $(( $(date +%s) - s )) s"
 s=$(date +%s); python3 -m holotrain.cli train --job.run_dir=/tmp/run-default --profile.progress=false > /tmp/default.log 2>&1
 echo "default run: rc=$? $(( $(date +%s) - s )) s"; tail -2 /tmp/default.log
 cp /tmp/run-default/report.html "$out/report-default.html"; tail -1 /tmp/run-default/metrics.jsonl
-s=$(date +%s); timeout 200 python3 -m holotrain.cli train --config configs/1.4b.toml --training.steps=40 --checkpoint.every=0 \
+s=$(date +%s); timeout 200 python3 -m holotrain.cli train --config 1.4b --training.steps=40 --checkpoint.every=0 \
   --checkpoint.save_final=false --job.run_dir=/tmp/run-1.4b --profile.progress=false --profile.trace_steps=21,22 > /tmp/1.4b.log 2>&1
 echo "1.4b run: rc=$? $(( $(date +%s) - s )) s"; tail -3 /tmp/1.4b.log
 cp /tmp/run-1.4b/metrics.jsonl "$out/1.4b-metrics.jsonl"; cp /tmp/run-1.4b/report.html "$out/report-1.4b.html"

@@ -7,6 +7,6 @@ export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
 s=$(date +%s); python3 -m holotrain.cli train --job.run_dir=/tmp/run-default --profile.progress=false > "$out/default.log" 2>&1
 echo "default run: rc=$? $(( $(date +%s) - s )) s"; tail -3 "$out/default.log"; cp /tmp/run-default/metrics.jsonl "$out/default-metrics.jsonl"
 python3 -m pytest -q tests/test_gpu.py 2>&1 | tail -3
-s=$(date +%s); python3 -m holotrain.cli train --config configs/1.4b.toml --training.steps=60 --checkpoint.every=0 \
+s=$(date +%s); python3 -m holotrain.cli train --config 1.4b --training.steps=60 --checkpoint.every=0 \
   --checkpoint.save_final=false --job.run_dir=/tmp/run-1.4b --profile.progress=false > "$out/1.4b.log" 2>&1
 echo "1.4b run: rc=$? $(( $(date +%s) - s )) s"; tail -4 "$out/1.4b.log"; cp /tmp/run-1.4b/metrics.jsonl "$out/1.4b-metrics.jsonl"

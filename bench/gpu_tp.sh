@@ -11,8 +11,9 @@
 #   3. bench/overlap.py --part e2e (1.4b TP=2 tokens/s and host enqueue time for tp_overlap none / async_tp / fused,
 #      one profiled step per mode)
 # Each step under its own timeout, logging into OUT_DIR; a step that fails or hangs does not stop the next one.
-# Short waits: ranks out of step fail within seconds (symmetric-memory barrier 20 s instead of 120 s, spin loops
-# 2^25 polls instead of 2^26), and a test case that hangs is ended after HOLOTRAIN_TEST_CASE_S.
+# Short waits: ranks out of step fail within seconds (symmetric-memory barrier 20 s instead of the config's 120 s,
+# spin loops 2^25 polls instead of 2^26: BARRIER_MS, SPIN_LIMIT below), and a test case that hangs is ended after
+# HOLOTRAIN_TEST_CASE_S.
 # Budget: about 6 minutes; at most ~9.3 (timeouts 100 + 80 + 60 + 170, e2e what is left of 560 s, 60..150).
 #   4. (diag) bench/overlap.py --part diag: the SM clock per variant on the large shape, and the GPU timeline of one
 #      fused / async-TP call per direction (where a fused call's time goes).
@@ -22,6 +23,8 @@
 # diag, rounds (default basic,large,model,kernels,e2e). rounds: the large shape in ROUNDS (8) interleaved rounds, each
 # variant in its power steady state; ROUNDS_ALT: comma list of other fused tiles measured beside (e.g. ...-c1);
 # ROUNDS_DIAG=1: also the all-gather without waits / without communication, and steady-state timelines.
+# BARRIER_MS, SPIN_LIMIT, PIECE_MB: the fused path's parallel.tp_barrier_ms, tp_spin_limit, tp_piece_mb, passed to
+# every step as options (defaults 20000, 2^25 and the config's 4).
 set -uo pipefail
 out=${1:?output directory}
 steps=",${2:-basic,large,model,kernels,e2e},"
@@ -30,7 +33,7 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/holotrain-triton-cache}
-export HOLOTRAIN_TP_BARRIER_MS=${HOLOTRAIN_TP_BARRIER_MS:-20000} HOLOTRAIN_TP_SPIN_LIMIT=${HOLOTRAIN_TP_SPIN_LIMIT:-33554432}
+knobs="--barrier-ms ${BARRIER_MS:-20000} --spin-limit ${SPIN_LIMIT:-33554432}${PIECE_MB:+ --piece-mb $PIECE_MB}"
 run="python3 -m torch.distributed.run --standalone --nproc_per_node=2"
 t0=$(date +%s)
 step() { echo "== $1: rc=$2, $(( $(date +%s) - $3 )) s (total $(( $(date +%s) - t0 )) s)"; }
@@ -47,7 +50,7 @@ head -4 "$out/machine.txt"; tail -1 "$out/machine.txt"
 tests() {  # group, timeout (s), per-case watchdog (s)
   local g=$1 t=$2 c=$3 s log="$out/gpu_tests_$1.log"
   s=$(date +%s)
-  HOLOTRAIN_TEST_CASE_S=$c timeout "$t" $run tests/gpu_tp_worker.py --groups "$g" > "$log" 2>&1
+  HOLOTRAIN_TEST_CASE_S=$c timeout "$t" $run tests/gpu_tp_worker.py --groups "$g" $knobs > "$log" 2>&1
   step "GPU tests, group $g (log gpu_tests_$g.log)" $? "$s"
   grep -E "^\[rank [0-9]\] (PASS|FAIL|DIAG|GPU TP CHECKS|torch|triton)" "$log" | cut -c1-600
   grep -q "GPU TP CHECKS" "$log" || echo "   (ended early; last case started: $(grep -E '^\[rank 0\] RUN' "$log" | tail -1 | cut -c1-200))"
@@ -59,19 +62,19 @@ want model && tests model 60 45
 
 if want kernels; then
 s=$(date +%s)
-timeout 170 $run bench/overlap.py --part kernels --tune-budget ${TUNE_S:-60} --watchdog 160 --out "$out/kernels.json" \
-  > "$out/kernels.log" 2>&1
+timeout 170 $run bench/overlap.py --part kernels --tune-budget ${TUNE_S:-60} --watchdog 160 $knobs \
+  --out "$out/kernels.json" > "$out/kernels.log" 2>&1
 step "kernel benchmark (bench/overlap.py --part kernels, log kernels.log)" $? "$s"
 [ -f "$out/kernels.md" ] && cat "$out/kernels.md"
 grep -E "^\[rank [0-9]\] DIAG" "$out/kernels.log" | cut -c1-600 | head -6
 errors "$out/kernels.log" 10
 fi
 best=$(python3 -c "import json; print(json.load(open('$out/kernels.json')).get('best_tiles', ''))" 2>/dev/null)
-best=${best:-128x256x64-s3-w8-x1}  # the best of the 2026-11-30 tuning
+best=${best:-128x256x64-s3-w8-x1}  # without a kernels step: the best tiles in bench/RESULTS.md
 
 if want diag; then
 s=$(date +%s)
-timeout 120 $run bench/overlap.py --part diag --e2e-tiles "$best" --watchdog 110 --out "$out/diag.json" \
+timeout 120 $run bench/overlap.py --part diag --e2e-tiles "$best" --watchdog 110 $knobs --out "$out/diag.json" \
   > "$out/diag.log" 2>&1
 step "diagnostics (bench/overlap.py --part diag, log diag.log)" $? "$s"
 grep -vE "^\[rank|^W[0-9]|warn" "$out/diag.log" | cut -c1-300 | head -120
@@ -80,7 +83,7 @@ fi
 
 if want rounds; then  # the large shape's targets in interleaved rounds (drift falls on every variant alike)
 s=$(date +%s)
-timeout 220 $run bench/overlap.py --part rounds --rounds ${ROUNDS:-8} --e2e-tiles "$best" --watchdog 210 \
+timeout 220 $run bench/overlap.py --part rounds --rounds ${ROUNDS:-8} --e2e-tiles "$best" --watchdog 210 $knobs \
   --rounds-alt "${ROUNDS_ALT:-}" --rounds-diag ${ROUNDS_DIAG:-0} \
   --out "$out/rounds.json" > "$out/rounds.log" 2>&1
 step "interleaved rounds (bench/overlap.py --part rounds, log rounds.log)" $? "$s"
@@ -93,7 +96,7 @@ if want e2e; then
 s=$(date +%s)
 cap=${E2E_S:-150}  # the e2e step's cap in seconds (compiled modes need more: E2E_S=300)
 left=$(( 560 - ($(date +%s) - t0) )); [ $left -gt $cap ] && left=$cap; [ $left -lt 60 ] && left=60
-timeout $left $run bench/overlap.py --part e2e --e2e-compile "${E2E_COMPILE:-0}" --e2e-tiles "$best" --watchdog $(( left - 10 )) \
+timeout $left $run bench/overlap.py --part e2e --e2e-compile "${E2E_COMPILE:-0}" --e2e-tiles "$best" --watchdog $(( left - 10 )) $knobs \
   --out "$out/e2e.json" > "$out/e2e.log" 2>&1
 step "end to end (bench/overlap.py --part e2e, log e2e.log, tiles '$best')" $? "$s"
 [ -f "$out/e2e.md" ] && cat "$out/e2e.md"

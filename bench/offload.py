@@ -10,8 +10,8 @@ trains under a GPU cap and on the whole machine; and the CPU step's pieces on th
   (c) --part c   the whole machine: each --sizes model at --c-batch sequences, with the offload_ratio the memory plan
                  chooses (the smallest that fits host and GPU, so the CPU does the least work), raised by 0.05 on a
                  GPU OOM, lowered on a host OOM.
-  (cpu) --part cpu  no GPU needed: the engine's host-side loops (landing, accumulation, AdamW update) as they were
-                 (torch ops) and as they are (compiled one-pass loops on native threads), in G params/s and ms per
+  (cpu) --part cpu  no GPU needed: the engine's host-side loops (landing, accumulation, AdamW update) on torch ops
+                 and compiled (one-pass loops on native threads, memory.offload_kernel), in G params/s and ms per
                  1.36B parameters, with host memcpy and torch's fused AdamW as ceilings, a thread sweep and the
                  update under a Python-busy thread (the GIL).
 
@@ -184,8 +184,12 @@ def _fsdp2_cpu_offload_step(cfg, device):
         fully_shard,
     )
 
+    from holotrain.memory import build as build_memory
     from holotrain.model import Llama
-    from holotrain.train.trainer import apply_compute_levers, model_args
+    from holotrain.optim import AdamWHyper, fused_adamw, param_groups
+    from holotrain.parallel import DistEnv
+    from holotrain.train import model_args
+    from holotrain.train.trainer import compile_regions
 
     if not dist.is_initialized():
         backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
@@ -193,7 +197,9 @@ def _fsdp2_cpu_offload_step(cfg, device):
     mesh = init_device_mesh(device.type, (1,))
     with torch.device("meta"):
         model = Llama(model_args(cfg))
-    apply_compute_levers(model, cfg)
+    build_memory(cfg.memory, DistEnv(rank=0, world_size=1, local_rank=0, device=device)).apply(model)
+    if cfg.training.compile:
+        compile_regions(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # (pinning needs CUDA: the CPU smoke test)
     for block in model.layers.values():
@@ -205,12 +211,12 @@ def _fsdp2_cpu_offload_step(cfg, device):
         for key, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[key] = buf.to(device)
-    t = cfg.training
+    lr, hyper = cfg.training.lr, AdamWHyper.from_section(cfg.training)
     try:
-        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                                fused=True)
+        opt = fused_adamw(model.parameters(), lr, hyper)
     except (RuntimeError, ValueError):
-        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        opt = torch.optim.AdamW(param_groups(model.parameters(), hyper.weight_decay), lr=lr, betas=hyper.betas,
+                                eps=hyper.eps)
 
     def step(fetch, accum):
         total = 0.0
@@ -219,7 +225,7 @@ def _fsdp2_cpu_offload_step(cfg, device):
             loss = model(*fetch(m)) / accum
             loss.backward()
             total = total + loss.detach()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), hyper.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return total, norm
@@ -231,15 +237,13 @@ def run_trial(spec: dict) -> dict:
     import torch
 
     from holotrain.hw import peak_bf16_flops
+    from holotrain.memory import build_optimizer
     from holotrain.model import flops_per_token, num_params
+    from holotrain.optim import AdamWHyper
     from holotrain.parallel import DistEnv
     from holotrain.profile import PhaseClock
-    from holotrain.train.trainer import (
-        TrainStep,
-        build_model,
-        build_optimizer,
-        model_args,
-    )
+    from holotrain.train import model_args
+    from holotrain.train.trainer import TrainStep, build_model
 
     device = _device(spec["device"])
     cuda = device.type == "cuda"
@@ -263,7 +267,7 @@ def run_trial(spec: dict) -> dict:
     else:
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
         model = build_model(cfg, env, dtype)
-        opt = build_optimizer(model, cfg, env, dtype)
+        opt = build_optimizer(model, cfg.memory, AdamWHyper.from_section(cfg.training), cfg.training.lr, env, dtype)
         engine = opt if spec["variant"] == "offload" else None
         train_step = TrainStep(model, opt, cfg, env, dtype, clock)
 
@@ -376,12 +380,12 @@ def plan_micro(shape: str, args, ratio: float, gpu_bytes: float | None, ac: str,
     """(batch, micro) pairs that the memory plan expects to fit, best first: the largest micro-batch dividing the
     batch; if none fits (accumulation costs the host an fp32 accumulator, 4 more bytes per parameter: a 7B then
     needs ~122 GB), smaller batches without accumulation. Never an unplanned micro-batch of 1 (16 micro-batches of
-    a 7B per step, over the host's RAM: the trial that ran past the last session's time)."""
+    a 7B per step need more host RAM than the plan allows, and run past a trial's time)."""
     import torch
 
     from holotrain.memory.plan import plan_memory
     from holotrain.model import Llama
-    from holotrain.train.trainer import model_args
+    from holotrain.train import model_args
 
     def fits(b, micro):
         spec = {"shape": shape, "seq": args.seq_len, "batch": b, "micro": micro, "compile": not args.eager,
@@ -538,9 +542,9 @@ def main():
 def cpu_part(args, out: Path, meta: dict) -> None:
     """(cpu) The CPU step's pieces on this host, no GPU needed: G params/s and ms per 1.36B parameters (the 1.4b
     model), each timed in a thread other than the main one, as the engine's worker runs them, the best of
-    --cpu-reps. "before" is the engine as it was (torch ops: per-chunk vector_norm at landing, three passes per
-    update chunk on the worker's intra-op pool), "after" as it is (the norm comes from the GPU with one landing per
-    step; compiled one-pass loops on native threads). Also: a thread sweep, host memcpy and torch's fused AdamW
+    --cpu-reps. "before" is the plain torch-op baseline (per-chunk vector_norm at landing, three passes per update
+    chunk on the worker's intra-op pool), "after" what the engine runs (the norm comes from the GPU with one landing
+    per step; the compiled one-pass loops on native threads). Also: a thread sweep, host memcpy and torch's fused AdamW
     on fp32 gradients (what `holotrain hw probe` measures, on a few parameters that may sit in cache), and the
     update while another thread runs Python (the GIL: a compiled model's launching thread)."""
     import threading
@@ -548,6 +552,7 @@ def cpu_part(args, out: Path, meta: dict) -> None:
     import torch
 
     from holotrain.memory import offload as off
+    from holotrain.memory.offload.host import host_empty, pinned_empty, unregister
 
     n = int(args.cpu_params) // 64 * 64
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -562,7 +567,7 @@ def cpu_part(args, out: Path, meta: dict) -> None:
     up = torch.zeros(n, dtype=torch.bfloat16)
     scratch = torch.empty(min(off.CHUNK, n))
     t0 = time.perf_counter()
-    kernels = off.cpu_kernels()
+    kernels = off.cpu_kernels("auto")
     compile_s = time.perf_counter() - t0
     print(f"(cpu): {n / 1e6:.0f}M parameters per measurement, {cores} cores, engine default {default} threads, "
           f"single-configuration cases on {top}, "
@@ -623,17 +628,17 @@ def cpu_part(args, out: Path, meta: dict) -> None:
         off.adamw_flat(master, m, v, g16, up, **hp, kernels=None, scratch=scratch)
 
     # The engine's masters and moments on 2 MiB pages (advised before first touch), against the 4 KiB-page buffers.
-    huge = [off._host_empty(n, torch.float32) for _ in range(3)]
+    huge = [host_empty(n, torch.float32) for _ in range(3)]
     huge[0].copy_(master)
     huge[1].zero_()
     huge[2].zero_()
     def python_thread_slices(threads: int):
-        """The update as the engine ran it until native threads: Python threads, two slices each, every slice a
-        ctypes call that needs the GIL back when it returns (a Python-busy training thread holds it for up to
-        the 5 ms switch interval each time)."""
-        fn = kernels.lib.adamw_g16_o16
+        """The update on a pool of Python threads instead of the extension's native ones: two slices per thread,
+        every slice a single-threaded call that needs the GIL back when it returns (a Python-busy training thread
+        holds it for up to the 5 ms switch interval each time)."""
+        fn = kernels.module.adamw
         b1, b2, t = hp["betas"][0], hp["betas"][1], hp["t"]
-        consts = (1 - hp["lr"] * hp["weight_decay"], 1 - b1, 1, b2, 1 - b2, hp["lr"] / (1 - b1 ** t),
+        consts = (1 - hp["lr"] * hp["weight_decay"], 1 - b1, b2, 1 - b2, hp["lr"] / (1 - b1 ** t),
                   math.sqrt(1 - b2 ** t), hp["eps"], 1.0)
         count = 2 * threads
         bounds = [n * k // count // 64 * 64 for k in range(count)] + [n]
@@ -642,8 +647,7 @@ def cpu_part(args, out: Path, meta: dict) -> None:
         def drain():
             for k in order:
                 lo, hi = bounds[k], bounds[k + 1]
-                fn(off._ptr(master, lo), off._ptr(m, lo), off._ptr(v, lo), off._ptr(g16, lo), off._ptr(up, lo),
-                   hi - lo, *consts)
+                fn(master[lo:hi], m[lo:hi], v[lo:hi], g16[lo:hi], up[lo:hi], *consts, 1)
 
         helpers = [threading.Thread(target=drain) for _ in range(threads - 1)]
         for h in helpers:
@@ -680,9 +684,9 @@ def cpu_part(args, out: Path, meta: dict) -> None:
             emit("update after, a Python-busy thread", threads,
                  timed(lambda k=threads: off.adamw_flat(master, m, v, g16, up, **hp, kernels=kernels, threads=k), 1,
                        busy=True))
-            emit("update on Python threads, one ctypes call per slice (until 2026-11-30), a Python-busy thread",
+            emit("update on Python threads, one native call per slice, a Python-busy thread",
                  threads, timed(lambda k=threads: python_thread_slices(k), 1, busy=True))
-            for gil_ms in (5.0, 0.25):  # Python's default switch interval, and the engine's since 2026-11-30
+            for gil_ms in (5.0, 0.25):  # Python's default switch interval, and memory.offload_gil_switch_ms's
                 emit(f"update in 16 buckets, each with the upload's 12 torch calls, a Python-busy thread, GIL switch "
                      f"{gil_ms:g} ms", threads, timed(lambda k=threads: buckets_with_upload_calls(k), 1, busy=True,
                                                       switch_ms=gil_ms))
@@ -691,14 +695,14 @@ def cpu_part(args, out: Path, meta: dict) -> None:
             emit("accumulate+norm after: compiled, one pass", threads,
                  timed(lambda k=threads: off.accumulate_flat(acc, g16, False, kernels=kernels, threads=k), 1))
             if torch.cuda.is_available():  # the engine's staging and upload buffers are page-locked host memory
-                g_locked, up_locked = off._pinned_empty(n, torch.bfloat16), off._pinned_empty(n, torch.bfloat16)
+                g_locked, up_locked = pinned_empty(n, torch.bfloat16), pinned_empty(n, torch.bfloat16)
                 g_locked.copy_(g16)
                 up_locked.zero_()
                 emit("update after, gradient + upload page-locked", threads,
                      timed(lambda k=threads, g=g_locked, o=up_locked: off.adamw_flat(master, m, v, g, o, **hp,
                                                                                       kernels=kernels, threads=k), 1))
                 for t in (g_locked, up_locked):
-                    off._unregister(t)
+                    unregister(t)
 
 
 def _device_name(device: str) -> str:
@@ -740,7 +744,7 @@ def auto_ratio(shape: str, args, batch: int, micro: int) -> float | None:
     from holotrain.config import ConfigError
     from holotrain.memory.plan import choose_offload_ratio
     from holotrain.model import Llama
-    from holotrain.train.trainer import model_args
+    from holotrain.train import model_args
 
     spec = {"shape": shape, "seq": args.seq_len, "batch": batch, "micro": micro, "compile": True, "ac": args.ac,
             "variant": "offload", "device": args.device}

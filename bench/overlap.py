@@ -23,6 +23,8 @@ profiled step's top GPU kernels per mode.
   torchrun --standalone --nproc_per_node=2 bench/overlap.py --part kernels --out OUT/kernels.json
   torchrun --standalone --nproc_per_node=2 bench/overlap.py --part e2e --tiles BEST --out OUT/e2e.json
 Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (bench/gpu_tp.sh does).
+--spin-limit, --barrier-ms, --piece-mb: the fused path's parallel.tp_spin_limit, tp_barrier_ms, tp_piece_mb, for
+every part (the e2e runs pass them as config overrides).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from holotrain.parallel.overlap import TPComm, all_gather_matmul, matmul_reduce_scatter, parse_tiles  # noqa: E402
+from holotrain.config import ParallelConfig  # noqa: E402
+from holotrain.parallel.overlap import TPComm, all_gather_matmul, matmul_reduce_scatter  # noqa: E402
+from holotrain.parallel.tiles import Tiles, parse_tiles  # noqa: E402
 
 SHAPES = [(8192, 4096, 14336), (8192, 8192, 14336), (16384, 4096, 14336), (16384, 8192, 14336)]
 LARGE = (16384, 8192, 14336)
@@ -188,14 +192,12 @@ def agree(flag: bool) -> bool:
 
 
 def set_tiles(comm: TPComm, text: str) -> None:
-    from holotrain.parallel.overlap_kernels import Tiles
-
     comm.fused.tiles = Tiles(**parse_tiles(text))
 
 
 def run_kernels(args, comms, world, result, save):
     """Baselines for every shape first (safe), then the fused kernels' tiles, then fused on every shape."""
-    from holotrain.parallel.overlap_kernels import Tiles, triton_matmul
+    from holotrain.parallel.overlap_kernels import triton_matmul
 
     gen = torch.Generator(device="cuda").manual_seed(1000 + dist.get_rank())
     rows = result.setdefault("rows", [])
@@ -304,7 +306,7 @@ def run_rounds(args, comms, world, result, save):
     in its power steady state (steady_ms), --rounds rounds with the order rotated each round, so that drift in the
     clock or power state over the run falls on all variants alike; per variant the median over rounds, and the
     per-round ratios' median."""
-    from holotrain.parallel.overlap_kernels import Tiles, triton_matmul
+    from holotrain.parallel.overlap_kernels import triton_matmul
 
     gen = torch.Generator(device="cuda").manual_seed(2000 + dist.get_rank())
     if "fused" in comms and args.e2e_tiles:
@@ -540,29 +542,6 @@ def run_diag(args, comms, world, result, save):
         save()
 
 
-# async_tp end to end ran at 0.76x of none on the first GPU run (45.7k vs 59.8k tok/s, 1.4b TP=2, eager), though in
-# isolation at the kernel table's shapes it beat NCCL-then-GEMM by 0.1-0.3 ms per op. Read, not yet measured:
-#  - No slow fallback: torch's CUDA kernels of symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter go
-#    straight to the pipelined decomposition (the fallback is test mode only; the native AG path needs
-#    TORCH_SYMM_MEM_ENABLE_NATIVE_ASYNC_TP and 2048 < M <= 4096; multimem needs multicast, which is off).
-#  - Inputs are contiguous (overlap.py makes them so); the weights go in as w.t() views, which cuBLAS takes as a
-#    transposed operand without a copy. dy is made contiguous in both backward functions.
-#  - Copies inherent to torch's decomposition: the all-gather copies the shard into the group's workspace and the
-#    peer's shard out of it, and the local shard once more into A (return_A); the reduce-scatter writes partials
-#    [M, N] and sums them in a separate kernel. Memory traffic of tens of microseconds per op, not ~0.4 ms.
-#  - Hypotheses for the ~85 ms per step (about 200 TP ops per step, so ~0.4 ms per op):
-#    (a) synchronization: each op puts 3 (all-gather) or 4 (reduce-scatter) cross-GPU barriers on the compute stream;
-#        any skew between the ranks, or a host that is late to enqueue, idles both GPUs at every barrier. NCCL
-#        synchronizes once per collective. Check: host_ms against step_ms, and barrier_kernel's share of the
-#        profile (time spent waiting);
-#    (b) host-bound: the decomposition is ~30 Python-level torch calls per op on an eager (uncompiled) model. Check:
-#        host_ms close to step_ms for async_tp but not for none;
-#    (c) the split GEMMs: with 2 ranks every GEMM runs as two halves on two streams that contend for the SMs, and the
-#        e2e GEMMs are small (K = 2048); Check: the kernel table's e2e-op rows (async_tp against sequential at the
-#        model's own shapes);
-#    (d) the none baseline is not naive in backward: its reduce-scatter of dx runs asynchronously behind the weight
-#        gradient GEMM (_AGLinear.backward), while async_tp runs the fused reduce-scatter, then the weight gradient.
-#        Worth at most the reduce-scatters' time (~5-10 ms per step), not the whole gap.
 def run_e2e(args, world, result, save):
     from holotrain.config import MemoryConfig, load_config, resolve
     from holotrain.model import flops_per_token
@@ -580,7 +559,9 @@ def run_e2e(args, world, result, save):
                "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "tp": world}
         overrides = [f"--model.preset={args.preset}", f"--data.seq_len={args.seq_len}",
                      f"--training.batch_size={args.batch}", f"--training.compile={'true' if compiled else 'false'}",
-                     f"--parallel.tp={world}", f"--parallel.tp_overlap={mode}"]
+                     f"--parallel.tp={world}", f"--parallel.tp_overlap={mode}",
+                     f"--parallel.tp_spin_limit={args.spin_limit}", f"--parallel.tp_barrier_ms={args.barrier_ms}",
+                     f"--parallel.tp_piece_mb={args.piece_mb}"]
         if hasattr(MemoryConfig(), "check_fit"):
             overrides.append("--memory.check_fit=false")  # a throughput run: no memory planner in the way
         if mode == "fused" and args.e2e_tiles:
@@ -595,7 +576,7 @@ def run_e2e(args, world, result, save):
             model = build_model(cfg, env, torch.bfloat16)
             tp_comm = getattr(model, "tp_comm", None)  # for attempt()'s diagnostic should this mode fail
             HOOKS["comms"] = {"fused": tp_comm} if tp_comm is not None and tp_comm.mode == "fused" else {}
-            opt = build_optimizer(model, cfg)
+            opt = build_optimizer(model, cfg, env, torch.bfloat16)
             step = TrainStep(model, opt, cfg, env, torch.bfloat16)
             gen = torch.Generator(device="cuda").manual_seed(0)  # the same batches on both ranks (one TP group)
             batches = []
@@ -764,6 +745,10 @@ def main() -> None:
     p.add_argument("--out", default="", help="JSON results (written after every measurement); .md beside it")
     p.add_argument("--diag-seconds", type=float, default=0.4, help="diag: seconds per clocked variant")
     p.add_argument("--watchdog", type=float, default=0, help="dump stacks and exit after this many seconds")
+    defaults = ParallelConfig()  # the fused path's settings, as in a training config's parallel section
+    p.add_argument("--spin-limit", type=int, default=defaults.tp_spin_limit, help="parallel.tp_spin_limit")
+    p.add_argument("--barrier-ms", type=int, default=defaults.tp_barrier_ms, help="parallel.tp_barrier_ms")
+    p.add_argument("--piece-mb", type=float, default=defaults.tp_piece_mb, help="parallel.tp_piece_mb")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -780,7 +765,9 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "world": world,
               "torch": torch.__version__, "triton": triton_version, "command": "torchrun ... " + " ".join(sys.argv),
               "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                     "NVSHMEM_DISABLE_NVLS")}}
+                                                     "NVSHMEM_DISABLE_NVLS")},
+              "fused_settings": {"spin_limit": args.spin_limit, "barrier_ms": args.barrier_ms,
+                                 "piece_mb": args.piece_mb}}
     out = Path(args.out) if args.out else None
 
     def save():
@@ -795,7 +782,8 @@ def main() -> None:
     if "kernels" in parts or "diag" in parts or "rounds" in parts:
         comms = {}
         for mode in ("none", "async_tp", "fused"):
-            attempt(comms, mode, lambda: TPComm(dist.group.WORLD, mode))
+            attempt(comms, mode, lambda: TPComm(dist.group.WORLD, mode, spin_limit=args.spin_limit,
+                                                barrier_ms=args.barrier_ms, piece_mb=args.piece_mb))
         comms = {k: v for k, v in comms.items() if isinstance(v, TPComm)}
         HOOKS["comms"] = comms
     if "kernels" in parts:

@@ -150,10 +150,10 @@ def build_variant(name: str, a, device):
             model.loss = torch.compile(model.loss, mode="max-autotune-no-cudagraphs")
         if "fp32residual" in switches:
             model.residual_in_autocast_dtype = False
-        opt = build_optimizer(model, cfg)
+        opt = build_optimizer(model, cfg, env, torch.bfloat16)
         train_step = TrainStep(model, opt, cfg, env, torch.bfloat16)
         if "noclipfold" in switches:
-            train_step.fold_clip = False
+            opt.fold_clip = False
 
         def step(x, y):
             return train_step(lambda m: (x, y), 1, 3e-4)[0]

@@ -8,7 +8,7 @@ import sys
 from holotrain.config import ConfigError, load_config
 
 USAGE = """usage:
-  holotrain train [--config FILE.toml] [--section.key=value ...]
+  holotrain train [--config FILE.toml | NAME] [--section.key=value ...]
   holotrain export RUN_DIR OUT_DIR [--checkpoint DIR]
   holotrain report RUN_DIR
   holotrain hw probe [--out FILE.json] [--seconds N]
@@ -17,7 +17,8 @@ USAGE = """usage:
 
 def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="holotrain train", add_help=True)
-    parser.add_argument("--config", help="TOML config file (defaults: the embedded tiny model)")
+    parser.add_argument("--config", help="TOML config file, or a shipped config's name: tiny, 125m, 1.4b, "
+                        "1.4b-tp2, offload (default: the embedded tiny model)")
     known, overrides = parser.parse_known_args(argv)
     cfg = load_config(known.config, overrides)
     from holotrain.train import train

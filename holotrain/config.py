@@ -25,8 +25,20 @@ from holotrain.errors import ConfigError
 from holotrain.model.llama import PRESETS
 
 
+class _Section:
+    """A config section; read-only once the config is resolved (Config.freeze)."""
+
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise AttributeError(f"the resolved config is read-only: {type(self).__name__}.{name} cannot change "
+                                 "after resolution (make a changed copy with dataclasses.replace)")
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class JobConfig:
+class JobConfig(_Section):
     name: str = "default"
     run_dir: str = ""  # empty: runs/<name>
     seed: int = 0
@@ -34,7 +46,7 @@ class JobConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     preset: str = "tiny"
     # 0 / 0.0 means "take the preset's value"; the resolved config holds the real numbers.
     dim: int = 0
@@ -49,7 +61,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     # [[data.sources]] tables (name, path, weight, weight_schedule, text_field); none: the embedded
     # corpus, two sources built from this Python's standard library (code, and docstrings as prose).
     sources: list = field(default_factory=list)
@@ -69,7 +81,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(_Section):
     steps: int = 150
     batch_size: int = 16  # global: sequences per optimizer step, over all ranks and micro-batches
     micro_batch_size: int = 0  # per rank per forward; 0 = batch_size / world size (no accumulation)
@@ -90,7 +102,7 @@ class TrainingConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     every: int = 50  # steps between checkpoints; 0 = only the final one
     keep: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the newest checkpoint in the run directory
@@ -98,7 +110,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Section):
     # Data parallelism over all ranks of a torchrun launch (world size / tp of them); world size 1 runs unsharded.
     dp: str = "fsdp"  # fsdp
     reshard_after_forward: bool = True
@@ -110,22 +122,31 @@ class ParallelConfig:
     # "fused" (our Triton kernels: the GEMM consumes gathered tiles as they arrive and scatters as it goes).
     tp_overlap: str = "none"
     # Tiles of the fused kernels, "BMxBNxBK" with optional "-sSTAGES-wWARPS-gGROUP_M-rRESERVED_SMS-dDYNAMIC-xWS"
-    # "-fFLAT-eEPILOGUE_PIECES-cCORE" (holotrain/parallel/overlap_kernels.py, Tiles; -c1: the all-gather GEMM on the
+    # "-fFLAT-eEPILOGUE_PIECES-cCORE" (holotrain/parallel/tiles.py; -c1: the all-gather GEMM on the
     # warp-specialized Gluon core); empty = the built-in default (bench/overlap.py tries a few).
     tp_tiles: str = ""
+    # The fused kernels' safety limits and piece size. A wait that polls a peer's flag more than tp_spin_limit times
+    # ends the kernel with an error (a peer is missing) instead of hanging; tp_barrier_ms bounds the host-side
+    # barrier before each op; tp_piece_mb is the unit in which the all-gather's copies land and are signalled.
+    tp_spin_limit: int = 1 << 26
+    tp_barrier_ms: int = 120000
+    tp_piece_mb: float = 4.0
 
 
 @dataclass
-class MemoryConfig:
+class MemoryConfig(_Section):
     # "none" | "full" (every block recomputed in backward) | "selective" (every other block); see
-    # holotrain/memory/activation_checkpointing.py. true / false (earlier configs) mean "full" / "none".
+    # holotrain/memory/activation_checkpointing.py. true / false are accepted as "full" / "none".
     activation_checkpointing: str | bool = "none"
-    # ZeRO-Offload (holotrain/memory/offload.py): fp32 master weights and AdamW states in CPU memory, working
+    # ZeRO-Offload (holotrain/memory/offload/): fp32 master weights and AdamW states in CPU memory, working
     # weights on the GPU in the compute dtype, the CPU step overlapped with backward and the next forward.
     offload: bool = False
     # Share of the parameters whose optimizer step runs on the CPU (the last units in forward order); the rest on the
     # GPU. "auto": the smallest share that the memory plan fits in GPU and host memory (the most work on the GPU).
     offload_ratio: float | str = 1.0
+    # The CPU step's loops: "auto" (the compiled extension, holotrain/memory/offload/csrc; torch ops with a warning
+    # where it cannot be built), "native" (the extension or an error) or "torch" (torch ops: more passes over memory).
+    offload_kernel: str = "auto"
     offload_threads: int = 0  # CPU threads of the offloaded step; 0 = this rank's share of the cores, minus one
     # Python's GIL switch interval while the engine runs, in ms (0 = leave Python's, 5 ms). The CPU worker takes
     # the GIL back a dozen times per bucket (between its native update and the copies it queues); with the training
@@ -138,7 +159,7 @@ class MemoryConfig:
 
 
 @dataclass
-class ProfileConfig:
+class ProfileConfig(_Section):
     tensorboard: bool = True
     progress: bool = True  # rich progress bar when the terminal is interactive
     phases: bool = True  # time.forward/backward/optimizer per logged step (CUDA events, read at log time)
@@ -148,7 +169,7 @@ class ProfileConfig:
 
 
 @dataclass
-class HwConfig:
+class HwConfig(_Section):
     telemetry: bool = True  # NVML sampler: clocks, power, energy, throttle reasons -> RUN_DIR/telemetry.jsonl
     telemetry_hz: float = 100.0
     # Changing clocks or power limits affects everyone on the card: off unless the user asks explicitly.
@@ -158,7 +179,7 @@ class HwConfig:
 
 
 @dataclass
-class Config:
+class Config(_Section):
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -180,6 +201,18 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.job.run_dir or f"runs/{self.job.name}")
+
+    def freeze(self) -> Config:
+        """Makes this config and its sections read-only: a resolved config is shared by every lever, and none may
+        change what another reads. Returns self."""
+        for f in dataclasses.fields(self):
+            object.__setattr__(getattr(self, f.name), "_frozen", True)
+        object.__setattr__(self, "_frozen", True)
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,12 +314,30 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def shipped_configs() -> dict[str, Path]:
+    """The presets shipped inside the package (holotrain/configs/*.toml), by name."""
+    from importlib.resources import files
+
+    folder = files("holotrain") / "configs"
+    return {Path(str(f)).stem: Path(str(f)) for f in folder.iterdir() if str(f).endswith(".toml")}
+
+
+def find_config(name_or_path: str | Path) -> Path:
+    """A config file: a path, or the name of a shipped config ("1.4b" or "1.4b.toml")."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = shipped_configs()
+    if path.parent == Path(".") and path.name.removesuffix(".toml") in shipped:
+        return shipped[path.name.removesuffix(".toml")]
+    raise ConfigError(f"config file not found: {name_or_path} (shipped configs, by name: {', '.join(sorted(shipped))})")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the file (a path or a shipped config's name), then the overrides."""
     cfg = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+        path = find_config(path)
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
@@ -406,8 +457,11 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
              "parallel.tp_overlap='fused' computes in bf16: set training.dtype to auto or bf16")
         need(not getattr(cfg.memory, "offload", False),
              "parallel.tp > 1 does not combine with memory.offload yet: use one of them")
+    need(par.tp_spin_limit > 0, f"parallel.tp_spin_limit must be positive, got {par.tp_spin_limit}")
+    need(par.tp_barrier_ms > 0, f"parallel.tp_barrier_ms must be positive, got {par.tp_barrier_ms}")
+    need(par.tp_piece_mb > 0, f"parallel.tp_piece_mb must be positive, got {par.tp_piece_mb}")
     if par.tp_tiles:
-        from holotrain.parallel.overlap import parse_tiles
+        from holotrain.parallel.tiles import parse_tiles
 
         parse_tiles(par.tp_tiles)  # raises ConfigError naming parallel.tp_tiles
     p, hw = cfg.profile, cfg.hw
@@ -424,7 +478,7 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
         "set hw.allow_clock_control = true to allow that",
     )
     mem = cfg.memory
-    # Earlier configs said activation_checkpointing = true / false: keep accepting them, store the policy name.
+    # activation_checkpointing = true / false is accepted; the resolved config stores the policy name.
     ac = mem.activation_checkpointing
     ac = {"true": "full", "false": "none"}.get(str(ac).lower(), ac) if isinstance(ac, (bool, str)) else ac
     need(ac in ("none", "full", "selective"),
@@ -441,6 +495,8 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     else:
         need(0.0 <= ratio <= 1.0, f"memory.offload_ratio must be in [0, 1], got {ratio}")
         mem.offload_ratio = float(ratio)
+    need(mem.offload_kernel in ("auto", "native", "torch"),
+         f"memory.offload_kernel must be auto, native or torch, got {mem.offload_kernel!r}")
     need(mem.offload_threads >= 0, f"memory.offload_threads must be >= 0, got {mem.offload_threads}")
     need(mem.offload_gil_switch_ms >= 0, f"memory.offload_gil_switch_ms must be >= 0 (0 = Python's own), got "
          f"{mem.offload_gil_switch_ms}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -22,3 +23,14 @@ def read_jsonl(path: str | Path) -> list[dict]:
             if isinstance(obj, dict):
                 out.append(obj)
     return out
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop the rows of a per-step JSONL file after `last_step` (a resumed run re-runs those steps), atomically."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

@@ -11,13 +11,17 @@ kernel) ends the process at once with a note, as nothing after it could run. "RU
 case, so a log cut short still says where. The last line says how many failed.
 
   torchrun --standalone --nproc_per_node=2 tests/gpu_tp_worker.py [--quick] [--groups basic,large,model]
+      [--spin-limit N] [--barrier-ms MS] [--piece-mb MB]
 
 Groups: basic (symmetric-memory self-test stress, the Triton GEMM alone, M=8192 and an odd shape, queued calls,
 autograd), large (the M=16384 and K=8192 shapes), model (a TP=2 Llama in every mode). --quick: basic, fewer shapes.
+--spin-limit, --barrier-ms, --piece-mb: the fused path's parallel.tp_spin_limit, tp_barrier_ms and tp_piece_mb for
+every TPComm and model of the run (default: the config's defaults).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import faulthandler
 import os
@@ -31,6 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from holotrain.config import ParallelConfig  # noqa: E402
 from holotrain.parallel.overlap import TPComm, ag_linear, all_gather_matmul, linear_rs, matmul_reduce_scatter  # noqa: E402
 
 # (M rows over the group, K, N): the benchmark's shapes and an odd one (no dimension a multiple of a tile).
@@ -45,6 +50,11 @@ FAILED: list[str] = []
 PASSED: list[str] = []
 DEVICE = "cuda"  # the agreement's device ("cpu" only for a dry run of this harness over gloo)
 GRAVEYARD: list = []  # fused states replaced after a failure: kept alive (a peer's late work may touch them)
+KNOBS: dict = {}  # the fused path's settings from the command line: TPComm's spin_limit, barrier_ms, piece_mb
+
+
+def make_comm(group, mode: str) -> TPComm:
+    return TPComm(group, mode, **KNOBS)
 
 
 def log(msg: str, all_ranks: bool = False) -> None:
@@ -112,7 +122,7 @@ def check(name: str, fn, comms: dict, fused: bool = True) -> None:
     log(f"FAIL {name} (ranks {bad})")
     if fused and "fused" in comms:  # every rank together: the next case starts from fresh workspaces
         GRAVEYARD.append(comms["fused"])
-        comms["fused"] = TPComm(dist.group.WORLD, "fused")
+        comms["fused"] = make_comm(dist.group.WORLD, "fused")
     dist.barrier()
 
 
@@ -141,15 +151,22 @@ def poisoned(shape, device) -> torch.Tensor:
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv
-    groups = set(GROUPS)
-    if "--groups" in sys.argv:
-        groups = set(sys.argv[sys.argv.index("--groups") + 1].split(","))
-        unknown = groups - set(GROUPS)
-        if unknown:
-            raise SystemExit(f"unknown --groups {sorted(unknown)}; known: {', '.join(GROUPS)}")
+    defaults = ParallelConfig()
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--groups", default=",".join(GROUPS))
+    p.add_argument("--spin-limit", type=int, default=defaults.tp_spin_limit, help="parallel.tp_spin_limit")
+    p.add_argument("--barrier-ms", type=int, default=defaults.tp_barrier_ms, help="parallel.tp_barrier_ms")
+    p.add_argument("--piece-mb", type=float, default=defaults.tp_piece_mb, help="parallel.tp_piece_mb")
+    args = p.parse_args()
+    quick = args.quick
+    groups = set(args.groups.split(","))
+    unknown = groups - set(GROUPS)
+    if unknown:
+        raise SystemExit(f"unknown --groups {sorted(unknown)}; known: {', '.join(GROUPS)}")
     if quick:
         groups = {"basic"}
+    KNOBS.update(spin_limit=args.spin_limit, barrier_ms=args.barrier_ms, piece_mb=args.piece_mb)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
@@ -160,8 +177,8 @@ def main() -> None:
     dist.broadcast(seed, 0)
     seed = int(seed.item())
     knobs = {k: os.environ.get(k) for k in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE",
-                                            "HOLOTRAIN_TP_SPIN_LIMIT", "HOLOTRAIN_TP_BARRIER_MS",
                                             "HOLOTRAIN_TEST_CASE_S")}
+    knobs.update(KNOBS)
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, world {W}, seed {seed}, groups "
         f"{','.join(g for g in GROUPS if g in groups)}, {knobs}")
     try:
@@ -175,7 +192,7 @@ def main() -> None:
     comms = {}
     for mode in ("none", "async_tp", "fused"):
         try:
-            comms[mode] = TPComm(group, mode)
+            comms[mode] = make_comm(group, mode)
         except Exception as e:
             FAILED.append(f"TPComm({mode})")
             log(f"FAIL TPComm({mode}): {type(e).__name__}: {e}", all_ranks=True)
@@ -184,17 +201,18 @@ def main() -> None:
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale).to(torch.bfloat16)
 
     def symm_stress():
-        """Fresh symmetric buffers back to back, sizes growing and shrinking, each through its self-test (the
-        first GPU run failed it at random allocations: the self-test's own race)."""
-        from holotrain.parallel.overlap_kernels import _Symm
+        """Fresh symmetric buffers back to back, sizes growing and shrinking, each through its self-test (a race in
+        the self-test itself shows at random allocations)."""
+        from holotrain.parallel.symm import SymmBuffer
 
         sizes = [4096 * (1 + (i * 37) % 16) + 4096 * 256 * (i % 3) for i in range(24)]
-        keep = [_Symm(group, n, device, f"stress buffer {i}") for i, n in enumerate(sizes)]
+        keep = [SymmBuffer(group, n, device, f"stress buffer {i}") for i, n in enumerate(sizes)]
         return f"{len(keep)} buffers of {min(sizes)}..{max(sizes)} bytes, every marker read back on every rank"
 
     # The GEMM cores alone against cuBLAS: Triton, and the warp-specialized Gluon one (also on a ragged shape).
     def gemm_alone():
-        from holotrain.parallel.overlap_kernels import Tiles, triton_matmul
+        from holotrain.parallel.overlap_kernels import triton_matmul
+        from holotrain.parallel.tiles import Tiles
 
         out = []
         for core, (M, K, N) in ((0, (4096, 4096, 3584)), (1, (4096, 4096, 3584)), (1, (1000, 1040, 520))):
@@ -325,14 +343,20 @@ def main() -> None:
         for mode in [m for m in ("none", "async_tp", "fused") if m in comms]:
             with torch.device("meta"):
                 model = Llama(args)
-            apply_tp(model, mesh, mode)
+            apply_tp(model, mesh, ParallelConfig(tp=W, tp_overlap=mode, tp_spin_limit=KNOBS["spin_limit"],
+                                                 tp_barrier_ms=KNOBS["barrier_ms"], tp_piece_mb=KNOBS["piece_mb"]))
             model.to_empty(device=device)
             model.init_weights(seed=seed)
             model.to(torch.bfloat16)
             loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
             loss.backward()
             if mode == "fused":
-                model.tp_comm.fused.check()
+                fused = model.tp_comm.fused
+                fused.check()
+                got = (fused.spin_limit, fused.barrier_timeout_ms, fused.piece_bytes)
+                want = (KNOBS["spin_limit"], KNOBS["barrier_ms"], int(KNOBS["piece_mb"] * 2**20))
+                if got != want:
+                    raise AssertionError(f"fused settings {got} are not the section's {want}")
             grads = {n: p.grad.to_local().float() for n, p in model.named_parameters()}
             res[mode] = (loss.detach().float(), grads)
             if mode != "none":

@@ -88,19 +88,24 @@ def test_fit_error_names_the_numbers_and_the_keys(tmp_path):
 # In-process: the engine's paths against plain training on the same batches
 
 
-def _setup(offload: bool, clip: float = 1.0, ratio: float = 1.0, layers: int = 2, ac: str = "none"):
+def _setup(offload: bool, clip: float = 1.0, ratio: float = 1.0, layers: int = 2, ac: str = "none",
+           kernel: str = "auto"):
     from holotrain.config import load_config, resolve
+    from holotrain.memory import build_optimizer
+    from holotrain.optim import AdamWHyper
     from holotrain.parallel import DistEnv
-    from holotrain.train.trainer import TrainStep, build_model, build_optimizer
+    from holotrain.train.trainer import TrainStep, build_model
 
     cfg = resolve(load_config(None, [
         "--model.dim=64", f"--model.n_layers={layers}", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_dim=176", "--data.seq_len=16", f"--training.grad_clip={clip}", f"--memory.offload={offload}",
         f"--memory.offload_ratio={ratio}", f"--memory.activation_checkpointing={ac}",
+        f"--memory.offload_kernel={kernel}",
     ]), tokenizer_vocab=128)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model = build_model(cfg, env, torch.float32)
-    opt = build_optimizer(model, cfg, env, torch.float32)
+    opt = build_optimizer(model, cfg.memory, AdamWHyper.from_section(cfg.training), cfg.training.lr, env,
+                          torch.float32)
     return model, opt, TrainStep(model, opt, cfg, env, torch.float32)
 
 
@@ -109,9 +114,9 @@ def _batches(n=24):
     return [(torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)) for _ in range(n)]
 
 
-def _train(offload, clip, ratio=1.0, steps=12, accum=2):
+def _train(offload, clip, ratio=1.0, steps=12, accum=2, kernel="auto"):
     batches = _batches()
-    model, opt, step = _setup(offload, clip, ratio)
+    model, opt, step = _setup(offload, clip, ratio, kernel=kernel)
     out = []
     for s in range(steps):
         loss, norm = step(lambda m, s=s: batches[(s * accum + m) % len(batches)], accum, 3e-3 * min(1.0, (s + 1) / 3))
@@ -120,27 +125,25 @@ def _train(offload, clip, ratio=1.0, steps=12, accum=2):
     if offload:
         opt.synchronize()
         stats = opt.metrics(steps)
-        weights = {n: w for n, w in opt.checkpoint_state()["model"].items()}
+        weights = {n: w for n, w in opt.state_dict()["model"].items()}
         opt.close()
     else:
         weights = model.state_dict()
     return out, {k: v.detach().clone() for k, v in weights.items()}, stats
 
 
-@pytest.mark.parametrize("kernel", ["c", "torch"])
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 @pytest.mark.parametrize("clip,path", [(100.0, "speculated"), (0.3, "deferred"), (1.7, "mixed")])
-def test_speculation_rollback_and_deferred_update_match_plain(clip, path, kernel, monkeypatch):
+def test_speculation_rollback_and_deferred_update_match_plain(clip, path, kernel):
     """Never clipped: every step speculates and is kept. Always clipped: after the first (rolled-back) step the
     engine waits for the norm. Around the threshold: mispredictions roll back and redo. With the compiled CPU
-    loops and with the torch-op fallback (no C compiler)."""
+    loops (memory.offload_kernel = native) and with the torch-op path (torch: what runs without a compiler)."""
     from holotrain.memory import offload
 
-    if kernel == "torch":
-        monkeypatch.setattr(offload, "cpu_kernels", lambda: None)
-    elif offload.cpu_kernels() is None:
-        pytest.skip("the compiled CPU loops are unavailable (no C compiler, or HOLOTRAIN_OFFLOAD_KERNEL=torch)")
+    if kernel == "native" and offload.cpu_kernels("auto") is None:
+        pytest.skip("the compiled CPU loops are unavailable (no C++ compiler or ninja)")
     ref, ref_w, _ = _train(False, clip)
-    got, got_w, stats = _train(True, clip)
+    got, got_w, stats = _train(True, clip, kernel=kernel)
     for (l1, n1), (l2, n2) in zip(ref, got):
         assert l2 == pytest.approx(l1, abs=1e-5) and n2 == pytest.approx(n1, rel=1e-5)
     for k, v in ref_w.items():
@@ -164,9 +167,9 @@ def test_compiled_cpu_step_matches_torch_ops(grad_dtype, scale):
     blocks of 64K elements, the last one short); the sum of squares is the same whatever the thread count."""
     from holotrain.memory import offload
 
-    kernels = offload.cpu_kernels()
+    kernels = offload.cpu_kernels("auto")
     if kernels is None:
-        pytest.skip("the compiled CPU loops are unavailable (no C compiler, or HOLOTRAIN_OFFLOAD_KERNEL=torch)")
+        pytest.skip("the compiled CPU loops are unavailable (no C++ compiler or ninja)")
     n = 5 * 65536 + 37
     gen = torch.Generator().manual_seed(0)
     master, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(grad_dtype)
@@ -200,7 +203,7 @@ def test_compiled_cpu_step_matches_torch_ops(grad_dtype, scale):
 def test_worker_updates_landed_buckets_while_copies_are_in_flight():
     """Backward queues its copies ahead of the GPU: the worker updates a landed bucket rather than wait for a copy
     still on its way, and waits for that copy only when there is nothing else to do."""
-    from holotrain.memory.offload import FINAL, LANDED, _Step
+    from holotrain.memory.offload.buckets import FINAL, LANDED, Step
 
     _, opt, _ = _setup(True, clip=100.0)
     opt.close()  # the worker has stopped: its task choice is driven by hand below
@@ -210,7 +213,7 @@ def test_worker_updates_landed_buckets_while_copies_are_in_flight():
             return False
 
     first, last = opt.buckets[0], opt.buckets[-1]
-    step = _Step(lr=1e-3, t=1, landings=1, speculate=True)
+    step = Step(lr=1e-3, t=1, landings=1, speculate=True)
     last.state, last.step = LANDED, step
     opt._arrivals.append((first, step, 0, InFlight()))
     assert opt._next_task() == ("update", last)
@@ -244,14 +247,14 @@ def test_non_finite_gradient_skips_the_offloaded_step():
     batch = _batches(1)[0]
     step(lambda m: batch, 1, 1e-2)  # one real step, so the skipped one has moments to keep
     opt.synchronize()
-    before = {k: v.clone() for k, v in opt.checkpoint_state()["model"].items()}
+    before = {k: v.clone() for k, v in opt.state_dict()["model"].items()}
     moments = [b.exp_avg.clone() for b in opt.buckets]
     count = opt.step_count
     model.output.weight.register_hook(lambda g: g * float("inf"))
     _, norm = step(lambda m: batch, 1, 1e-2)
     opt.synchronize()
     assert not torch.isfinite(norm) and opt.step_count == count
-    after = opt.checkpoint_state()["model"]
+    after = opt.state_dict()["model"]
     for k, v in before.items():
         assert torch.allclose(after[k], v, atol=1e-6, rtol=1e-6), k  # rolled back to within fp32 rounding
     for b, m in zip(opt.buckets, moments):

@@ -511,11 +511,12 @@ def test_old_driver_throttle_reasons_and_power_usage_fallback(tmp_path):
 def _energy_sum_worker(rank: int, world: int, init_file: str, has_sampler: list, out: str) -> None:
     import torch.distributed as dist
 
+    from holotrain.config import HwConfig
+    from holotrain.hw.lever import Hardware
     from holotrain.parallel import DistEnv
-    from holotrain.train.trainer import _energy_fields
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), local_world_size=world)
     tel, mine = None, 0.0
     if has_sampler[rank]:
         fake = FakeNVML(n_devices=1)
@@ -525,7 +526,9 @@ def _energy_sum_worker(rank: int, world: int, init_file: str, has_sampler: list,
         tel.window()
         e0 = fake.nvmlDeviceGetTotalEnergyConsumption(handle)
         time.sleep(0.3)
-    fields = _energy_fields(tel, env, steps=2, tokens_per_step=100)
+    hardware = Hardware(HwConfig(), env, Path(init_file).parent)
+    hardware.telemetry = tel  # the lever samples only CUDA devices itself; here it reports a fake card's sampler
+    fields = hardware.metrics(steps=2, tokens_per_step=100)
     if tel is not None:
         mine = (fake.nvmlDeviceGetTotalEnergyConsumption(handle) - e0) / 1000.0  # J this rank's card used
         tel.stop()

@@ -77,7 +77,7 @@ def test_tp_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"parallel.tp_tiles"):
         _cfg("--parallel.tp_tiles=128x100x64")
     assert _cfg("--parallel.tp=2", "--parallel.tp_tiles=128x256x64-s4-w8-r2").parallel.tp_tiles
-    from holotrain.parallel.overlap import parse_tiles
+    from holotrain.parallel.tiles import parse_tiles
 
     assert parse_tiles("128x256x64-s4-w8-f1-e2") == {"bm": 128, "bn": 256, "bk": 64, "stages": 4, "warps": 8,
                                                      "flat": 1, "epi": 2}
@@ -120,9 +120,9 @@ def _symm_worker(rank: int, world: int, tmp: str, port: int) -> None:
     """Each rank's "symmetric buffer" is a shared file mapped by every rank (the CPU stand-in for symmetric memory)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from holotrain.parallel import overlap as ov
+    from holotrain.parallel import symm
 
-    group, cpu, nbytes = dist.group.WORLD, torch.device("cpu"), 3 * ov.SYMM_HEADER + 12
+    group, cpu, nbytes = dist.group.WORLD, torch.device("cpu"), 3 * symm.SYMM_HEADER + 12
 
     def mapping(owner: int, name: str) -> torch.Tensor:
         path = os.path.join(tmp, f"{name}{owner}")
@@ -134,10 +134,11 @@ def _symm_worker(rank: int, world: int, tmp: str, port: int) -> None:
     local, other = mapping(rank, "a"), mapping(rank, "b")
     dist.barrier()
     views = [mapping(r, "a") for r in range(world)]
-    ov.symm_self_test(group, rank, world, local, views, cpu, "plain")
+    symm.symm_self_test(group, rank, world, local, views, cpu, "plain")
     assert not local.any(), "markers left behind"
 
-    # The first GPU run's race: a rank leaves the first barrier late and reads after its peers moved on.
+    # The race the self-test's ordering guards against: a rank leaves the first barrier late and reads after its
+    # peers moved on.
     barrier = dist.barrier
 
     def late_barrier(*args, **kwargs):
@@ -148,7 +149,7 @@ def _symm_worker(rank: int, world: int, tmp: str, port: int) -> None:
     dist.barrier = late_barrier
     try:
         for _ in range(2):
-            ov.symm_self_test(group, rank, world, local, views, cpu, "rank 0 late")
+            symm.symm_self_test(group, rank, world, local, views, cpu, "rank 0 late")
     finally:
         dist.barrier = barrier
 
@@ -157,24 +158,25 @@ def _symm_worker(rank: int, world: int, tmp: str, port: int) -> None:
     if rank == 1:
         bad[0] = mapping(0, "b")
     try:
-        ov.symm_self_test(group, rank, world, local, bad, cpu, "broken")
+        symm.symm_self_test(group, rank, world, local, bad, cpu, "broken")
         raise AssertionError(f"rank {rank}: a broken mapping passed the self-test")
     except RuntimeError as e:
         assert "rank 1 read" in str(e) and "(WRONG)" in str(e) and "rank 0 read" in str(e), str(e)
     dist.barrier()
 
-    ov.agree_symm_size(group, 4096, cpu, "same")
+    symm.agree_symm_size(group, 4096, cpu, "same")
     with pytest.raises(RuntimeError, match=r"different sizes \[4096, 4097\]"):
-        ov.agree_symm_size(group, 4096 + rank, cpu, "differing")
+        symm.agree_symm_size(group, 4096 + rank, cpu, "differing")
     dist.barrier()
     del other
     dist.destroy_process_group()
 
 
 def test_symmetric_memory_self_test_protocol(tmp_path):
-    """The fused path's self-test of a new symmetric buffer (overlap.symm_self_test), over gloo with shared files as
-    the buffers: passes with a rank late out of the barrier (the race that failed the first GPU run), and a broken
-    mapping on one rank raises on every rank (no rank goes on alone into an op its peer never reaches)."""
+    """The fused path's self-test of a new symmetric buffer (symm.symm_self_test), over gloo with shared files as
+    the buffers: passes with a rank late out of the barrier (a peer's markers must not be cleared before it has
+    read them), and a broken mapping on one rank raises on every rank (no rank goes on alone into an op its peer
+    never reaches)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:

@@ -128,7 +128,7 @@ def _tiny_step_setup(grad_clip=1.0):
     ]), tokenizer_vocab=64)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model = build_model(cfg, env, torch.float32)
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizer(model, cfg, env)
     batch = (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
     return model, opt, TrainStep(model, opt, cfg, env, torch.float32), batch
 

@@ -26,8 +26,10 @@ _interp._patch_lang_tensor = _patch_index
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from holotrain.parallel import overlap_kernels as ok  # noqa: E402
+from holotrain.parallel.symm import SYMM_HEADER  # noqa: E402
+from holotrain.parallel.tiles import Tiles  # noqa: E402
 
-T = ok.Tiles(bm=16, bn=32, bk=16, group_m=2, stages=2, warps=4, reserve_sms=0)
+T = Tiles(bm=16, bn=32, bk=16, group_m=2, stages=2, warps=4, reserve_sms=0)
 DT = torch.float16
 torch.manual_seed(0)
 
@@ -46,11 +48,11 @@ def out_desc(out):
 
 def stage_desc(buf, W, m, N):
     """A rank's staging [2 parities x W sources, m, N] after the header, as the host side describes it."""
-    return TensorDescriptor.from_tensor(buf[ok.HEADER:].view(DT).view(2 * W, m, N), [1, T.bm, T.bn])
+    return TensorDescriptor.from_tensor(buf[SYMM_HEADER:].view(DT).view(2 * W, m, N), [1, T.bm, T.bn])
 
 
 def main():
-    flat_halves = ok.Tiles(bm=16, bn=32, bk=16, group_m=2, stages=2, warps=4, reserve_sms=0, flat=1, epi=2)
+    flat_halves = Tiles(bm=16, bn=32, bk=16, group_m=2, stages=2, warps=4, reserve_sms=0, flat=1, epi=2)
     for M, K, N in [(40, 48, 72), (64, 32, 64)]:
         for layout in ("nk", "kn"):
             for tiles in (T, flat_halves):
@@ -68,16 +70,16 @@ def main():
             own = g[rank * m:(rank + 1) * m].clone()
             g[rank * m:(rank + 1) * m] = float("nan")  # the own rows are read from the shard, never from g
             ok.ag_gemm_kernel[(5,)](TensorDescriptor.from_tensor(own, [T.bm, T.bk]),
-                                    TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, layout, T),
-                                    ok._c_desc(y, W, m, N, T), flags, err, rank, W, m, N, K, 32, 2, 100, 5, BM=T.bm,
+                                    TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok.b_desc(w, layout, T),
+                                    ok.c_desc(y, W, m, N, T), flags, err, rank, W, m, N, K, 32, 2, 100, 5, BM=T.bm,
                                     BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=layout == "nk", FENCE=False)
             g[rank * m:(rank + 1) * m] = own
             e = (y.float() - ref(g, w, layout)).abs().max().item()
             assert e < 0.05 and err.item() == 0, ("all-gather GEMM", rank, layout, e, err.item())
     flags[1] = 0  # piece 1 of the first peer chunk to arrive (rank 1's rows, seen from rank 0) never comes
     ok.ag_gemm_kernel[(2,)](TensorDescriptor.from_tensor(g[:m].clone(), [T.bm, T.bk]),
-                            TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok._b_desc(w, "kn", T),
-                            ok._c_desc(y, W, m, N, T), flags, err,
+                            TensorDescriptor.from_tensor(g, [T.bm, T.bk]), ok.b_desc(w, "kn", T),
+                            ok.c_desc(y, W, m, N, T), flags, err,
                             0, W, m, N, K, 32, 2, 5, 2, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=False,
                             FENCE=False)
     assert err.item() == 2, ("missing piece: error word", err.item())
@@ -89,7 +91,7 @@ def main():
                 A = [torch.randn(W * m, K, dtype=DT) for _ in range(W)]
                 B = [weight(N, K, layout) for _ in range(W)]
                 stage = W * m * N
-                bufs = [torch.zeros(ok.HEADER + 2 * stage * 2, dtype=torch.uint8) for _ in range(W)]
+                bufs = [torch.zeros(SYMM_HEADER + 2 * stage * 2, dtype=torch.uint8) for _ in range(W)]
                 bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
                 per_chunk = -(-m // T.bm) * -(-N // T.bn)
                 outs = [torch.full((m, N), float("nan"), dtype=DT) for _ in range(W)]
@@ -97,10 +99,10 @@ def main():
                 def run(rank, expected):
                     cnt, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
                     ok.gemm_rs_kernel[(3,)](
-                        TensorDescriptor.from_tensor(A[rank], [T.bm, T.bk]), ok._b_desc(B[rank], layout, T),
+                        TensorDescriptor.from_tensor(A[rank], [T.bm, T.bk]), ok.b_desc(B[rank], layout, T),
                         out_desc(outs[rank]), stage_desc(bufs[rank], W, m, N), bases, cnt, err, rank, W, m, N, K, 1,
                         expected, 50, 3, BM=T.bm, BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=layout == "nk",
-                        HEADER_BYTES=ok.HEADER, DYNAMIC=dynamic, FENCE=False)
+                        HEADER_BYTES=SYMM_HEADER, DYNAMIC=dynamic, FENCE=False)
                     return err.item()
 
                 for peer in range(1, W):
@@ -119,13 +121,13 @@ def main():
     W, m, K, N = 2, 40, 48, 56
     A, B = torch.randn(W * m, K, dtype=DT), weight(N, K, "nk")
     stage = W * m * N
-    bufs = [torch.zeros(ok.HEADER + 2 * stage * 2, dtype=torch.uint8) for _ in range(W)]
+    bufs = [torch.zeros(SYMM_HEADER + 2 * stage * 2, dtype=torch.uint8) for _ in range(W)]
     bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     out = torch.full((m, N), float("nan"), dtype=DT)
     cnt, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    ok.gemm_rs_kernel[(3,)](TensorDescriptor.from_tensor(A, [T.bm, T.bk]), ok._b_desc(B, "nk", T), out_desc(out),
+    ok.gemm_rs_kernel[(3,)](TensorDescriptor.from_tensor(A, [T.bm, T.bk]), ok.b_desc(B, "nk", T), out_desc(out),
                             stage_desc(bufs[0], W, m, N), bases, cnt, err, 0, W, m, N, K, 0, 10**6, 50, 3, BM=T.bm,
-                            BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=True, HEADER_BYTES=ok.HEADER, DYNAMIC=True,
+                            BN=T.bn, BK=T.bk, GROUP_M=T.group_m, B_NK=True, HEADER_BYTES=SYMM_HEADER, DYNAMIC=True,
                             FENCE=False, LOCAL_STORES=True)
     e = (out.float() - ref(A, B, "nk")[:m]).abs().max().item()
     assert err.item() == 0 and e < 0.05 and not bufs[1].any(), ("local-stores diagnostic", err.item(), e)

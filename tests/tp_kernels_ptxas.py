@@ -1,6 +1,6 @@
 """The fused TP kernels compiled ahead of time for Hopper (sm_90a) on this machine, no GPU needed: ptxas must
-report no register spills and no serialized wgmma pipeline. Both cost the kernels 10-40% on the H200 before
-(a [BM, BN] tensor of 64-bit store offsets spilled; a GEMM loop in each branch of one tile loop serialized the
+report no register spills and no serialized wgmma pipeline. Either costs the kernels 10-40% on the H200 (a
+[BM, BN] tensor of 64-bit store offsets spills; a GEMM loop in each branch of one tile loop serializes the
 wgmma). Run by tests/test_tp.py where Triton is installed; prints one line per kernel variant, then
 "PTXAS CHECKS OK"."""
 
@@ -16,11 +16,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from holotrain.parallel import overlap_kernels as ok  # noqa: E402
+from holotrain.parallel.symm import SYMM_HEADER  # noqa: E402
+from holotrain.parallel.tiles import Tiles  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def ptxas_report(fn, signature: dict, constexprs: dict, tiles: ok.Tiles, tmp: Path, source=ASTSource,
+def ptxas_report(fn, signature: dict, constexprs: dict, tiles: Tiles, tmp: Path, source=ASTSource,
                  options: dict | None = None) -> tuple[str, str]:
     """(ptxas -v output, PTX) of fn compiled for sm_90a."""
     kernel = triton.compile(source(fn=fn, signature=signature, constexprs=constexprs),
@@ -44,13 +46,13 @@ def gluon_variant(tmp: Path) -> tuple[str, str]:
     def desc(block):
         return f"tensordesc<bf16[{','.join(map(str, block))}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
 
-    t = ok.Tiles(core=1)
+    t = Tiles(core=1)
     sig = {"own_desc": desc([t.bm, t.bk]), "a_desc": desc([t.bm, t.bk]), "b_desc": desc([t.bn, t.bk]),
            "c_desc": desc([1, t.bm, t.bn]), "flags_ptr": "*i32", "err_ptr": "*i32",
            **{k: "i32" for k in ("rank", "world", "m", "N", "K", "piece_rows", "splits", "spin_limit")}}
     consts = {"GROUP_M": t.group_m, "STAGES": t.stages, "B_NK": True, "FENCE": True, "num_warps": 8}
     sig.update({k: "constexpr" for k in consts})
-    return ptxas_report(gg.ag_gemm_ws_kernel, sig, consts, ok.Tiles(), tmp, GluonASTSource,
+    return ptxas_report(gg.ag_gemm_ws_kernel, sig, consts, Tiles(), tmp, GluonASTSource,
                         {"num_warps": 8, "maxnreg": gg.MAXNREG})
 
 
@@ -66,7 +68,7 @@ def main():
     import tempfile
 
     bm, bn, bk = 128, 256, 64  # the tiles the H200 benchmark chose
-    tiles = ok.Tiles(bm=bm, bn=bn, bk=bk, stages=3, warps=8)
+    tiles = Tiles(bm=bm, bn=bn, bk=bk, stages=3, warps=8)
     a, b = f"tensordesc<bf16[{bm},{bk}]>", f"tensordesc<bf16[{bn},{bk}]>"
     scalars = {k: "i32" for k in ("rank", "world", "m", "N", "K")}
     common = {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": tiles.group_m, "B_NK": True, "FENCE": True}
@@ -76,10 +78,10 @@ def main():
     rs = ({"a_desc": a, "b_desc": b, "out_desc": f"tensordesc<bf16[{bm},{bn}]>",
            "stage_desc": f"tensordesc<bf16[1,{bm},{bn}]>", "bases_ptr": "*i64", "counter_ptr": "*i32",
            "err_ptr": "*i32", **scalars, "parity": "i32", "expected": "i64", "spin_limit": "i32", "nprog": "i32"},
-          {**common, "HEADER_BYTES": ok.HEADER, "DYNAMIC": True})
+          {**common, "HEADER_BYTES": SYMM_HEADER, "DYNAMIC": True})
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
-        four_stages = ok.Tiles(bm=bm, bn=bn, bk=bk, stages=4, warps=8)
+        four_stages = Tiles(bm=bm, bn=bn, bk=bk, stages=4, warps=8)
         variants = [(ok.ag_gemm_kernel, ag, {"WS": ws}, tiles) for ws in (False, True)]
         variants += [(ok.ag_gemm_kernel, ag, {"WS": False, "FLAT": True, "EPI": epi}, t)
                      for epi, t in ((1, tiles), (2, four_stages))]

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
+from holotrain.config import ParallelConfig  # noqa: E402
 from holotrain.model import Llama, LlamaArgs  # noqa: E402
 from holotrain.parallel.overlap import TPComm, ag_linear, linear_rs  # noqa: E402
 from holotrain.parallel.tp import _VocabParallelCrossEntropy, apply_tp  # noqa: E402
@@ -82,7 +83,15 @@ def main():
     mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("tp",))
     with torch.device("meta"):
         model = Llama(args)
-    apply_tp(model, mesh, "none")
+    try:  # the config's parallel section, not the overlap mode alone
+        apply_tp(model, mesh, "none")
+        raise AssertionError("apply_tp took a string for the parallel section")
+    except TypeError as e:
+        assert "parallel section" in str(e), e
+    section = ParallelConfig(tp=W, tp_overlap="none", tp_spin_limit=12345, tp_barrier_ms=678, tp_piece_mb=0.5)
+    tp_comm = apply_tp(model, mesh, section)
+    knobs = (tp_comm.mode, tp_comm.spin_limit, tp_comm.barrier_ms, tp_comm.piece_mb)
+    assert knobs == ("none", 12345, 678, 0.5), knobs
     model.to_empty(device="cpu")
     model.init_weights(seed=7)
     B, T = 3, 16

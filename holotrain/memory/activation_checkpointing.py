@@ -8,7 +8,7 @@ Policies (`memory.activation_checkpointing`):
                the recompute of "full". Activation memory falls linearly with the share of recomputed blocks
                and so does the extra time, so this is the midpoint of that trade; at the memory peak (end of
                forward) all blocks' activations coexist, so which half is recomputed does not matter.
-The booleans true / false of earlier configs mean "full" / "none".
+The booleans true / false are accepted as "full" / "none".
 """
 
 from __future__ import annotations

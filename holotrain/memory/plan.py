@@ -19,6 +19,7 @@ RLIMIT_MEMLOCK does not limit it, so the host check covers it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -125,13 +126,17 @@ def gpu_available_bytes(device: torch.device) -> int:
 # What is needed
 
 
-def loss_chunk_tokens(cfg) -> int:
+def chunk_tokens(section) -> int:
     """memory.loss_chunk_tokens with auto (0) resolved: 8192 under activation checkpointing (memory first), else 0
     (the whole micro-batch at once: no recomputed head)."""
-    n = cfg.memory.loss_chunk_tokens
-    if n == 0 and cfg.memory.activation_checkpointing != "none":
+    n = section.loss_chunk_tokens
+    if n == 0 and section.activation_checkpointing != "none":
         n = 8192
     return n
+
+
+def loss_chunk_tokens(cfg) -> int:
+    return chunk_tokens(cfg.memory)
 
 
 def activation_bytes(cfg, micro: int, elem_bytes: int) -> int:
@@ -186,8 +191,9 @@ class Plan:
 
 def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, micro: int, accum: int,
                 ratio: float | None = None, gpu_capacity: float | None = None,
-                host_capacity: float | None = None) -> Plan:
-    """Bytes per rank that training `model` (built on "meta" is fine) under `cfg` needs, and what is available."""
+                host_capacity: float | None = None, local_ranks: int | None = None) -> Plan:
+    """Bytes per rank that training `model` (built on "meta" is fine) under `cfg` needs, and what is available.
+    `local_ranks` (default: all ranks on one node) share the host's memory."""
     mem = cfg.memory
     ratio = mem.offload_ratio if ratio is None else ratio
     units = model_units(model)
@@ -201,7 +207,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     elem = 2 if bf16 else 4
     working = 2 if (cuda and world_size == 1 and bf16) else 4  # bytes of an offloaded parameter's working copy
     per_rank = 1 / world_size
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_ranks = local_ranks or world_size
     acts = activation_bytes(cfg, micro, elem)
     gathered = 2 * biggest * elem if world_size > 1 else 0  # FSDP2 keeps about two blocks unsharded
 
@@ -287,10 +293,16 @@ def choose_offload_ratio(model: nn.Module, cfg, world_size: int, device: torch.d
                          **capacity) -> float:
     """memory.offload_ratio = "auto": the smallest ratio (in steps of 0.01) whose plan fits GPU and host memory,
     i.e. the most optimizer work left on the GPU (GPU memory falls and host memory grows with the ratio). Raises
-    check_fit's error, with the numbers at ratio 1, when none fits."""
+    check_fit's error, with the numbers at ratio 1, when none fits. Ratios that offload the same units share
+    one plan, so the plan is computed once per unit boundary, not per ratio."""
+    units = model_units(model)
+    fits: dict[frozenset, bool] = {}
     for i in range(101):
-        plan = plan_memory(model, cfg, world_size, device, micro, accum, ratio=i / 100, **capacity)
-        if plan.gpu_fits and plan.host_fits:
+        chosen = frozenset(offloaded_units(units, i / 100))
+        if chosen not in fits:
+            plan = plan_memory(model, cfg, world_size, device, micro, accum, ratio=i / 100, **capacity)
+            fits[chosen] = plan.gpu_fits and plan.host_fits
+        if fits[chosen]:
             return i / 100
     check_fit(model, _with(cfg, offload_ratio=1.0), world_size, device, micro, accum, **capacity)
     return 1.0  # check_fit raised unless the capacities changed in between
@@ -338,10 +350,5 @@ def _suggestions(model, cfg, world_size, device, micro, accum, plan: Plan, capac
 
 
 def _with(cfg, **memory):
-    """A copy of cfg with some memory.* keys changed."""
-    import copy
-
-    trial = copy.deepcopy(cfg)
-    for k, v in memory.items():
-        setattr(trial.memory, k, v)
-    return trial
+    """A copy of cfg with some memory.* keys changed (the resolved config itself is read-only)."""
+    return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **memory))

@@ -1,12 +1,12 @@
-"""A warp-specialized persistent GEMM for Hopper, written in Gluon (Triton's lower-level dialect).
+"""A warp-specialized persistent GEMM for Hopper, written in Gluon (Triton's lower-level dialect): the all-gather
+GEMM's second core, selected with the tile option -c1 (parallel.tp_tiles).
 
-Triton 3.6 does not warp-specialize its own GEMMs on Hopper: every warp both issues the TMA loads and runs the
-wgmma pipeline. Here one producer warp only issues TMA loads into a ring of shared-memory stages, running ahead
-across tiles (also through the epilogue), and two consumer warpgroups only wait, multiply (wgmma, one in flight
-behind the current one) and store; the producer gives up its registers (setmaxnreg) so the consumers hold a
-128x256 fp32 accumulator without spilling. Selected with the tile option -c1 (parallel.tp_tiles) for the fused
-all-gather GEMM. On the H200 at its power cap it runs even with cuBLAS and within 2% of the Triton kernel
-(bench/RESULTS.md), so it is not the default.
+Triton does not warp-specialize its own GEMMs on Hopper: every warp both issues the TMA loads and runs the wgmma
+pipeline. Here one producer warp only issues TMA loads into a ring of shared-memory stages, running ahead across
+tiles (also through the epilogue), and two consumer warpgroups only wait, multiply (wgmma, one in flight behind the
+current one) and store; the producer gives up its registers (setmaxnreg) so the consumers hold a 128x256 fp32
+accumulator without spilling. It is not the default: on the H200 it is no faster than the Triton kernel
+(bench/RESULTS.md).
 
 Partitions, synchronized by mbarriers per stage:
   ready[s]: the producer's TMA loads of stage s landed (transaction bytes);
@@ -24,17 +24,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from holotrain.parallel import overlap_kernels as ok
+from holotrain.parallel.kernel_common import proxy_fence, tile_coords, wait_at_least
+from holotrain.parallel.tiles import Tiles
 
 
 # Registers per thread over all 12 warps (the launch's maxnreg): the producer keeps 24, the consumers get 240.
 MAXNREG = 168
 
 
-# The Triton kernels' scalar helpers, compiled as Gluon (the same source; Gluon's own standard library does this).
-_tile = gluon.jit(ok._tile.fn)  # tile t in grouped order (GROUP_M row tiles sweep the columns together)
-_wait_at_least = gluon.jit(ok._wait_at_least.fn)  # spin on a flag (acquire, system scope), give up after a limit
-_proxy_fence = gluon.jit(ok._proxy_fence.fn)  # the acquire above before the TMA loads that follow it
+# The shared scalar helpers (kernel_common.py), compiled as Gluon from the same source.
+_tile = gluon.jit(tile_coords.fn)  # tile t in grouped order (GROUP_M row tiles sweep the columns together)
+_wait_at_least = gluon.jit(wait_at_least.fn)  # spin on a flag (acquire, system scope), give up after a limit
+_proxy_fence = gluon.jit(proxy_fence.fn)  # the acquire above before the TMA loads that follow it
 
 
 @gluon.jit
@@ -177,24 +178,41 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-def a_desc(a: torch.Tensor, tiles: ok.Tiles) -> TensorDescriptor:
+def a_desc(a: torch.Tensor, tiles: Tiles) -> TensorDescriptor:
     return _desc(a, [tiles.bm, tiles.bk])
 
 
-def b_desc(w: torch.Tensor, layout: str, tiles: ok.Tiles) -> TensorDescriptor:
+def b_desc(w: torch.Tensor, layout: str, tiles: Tiles) -> TensorDescriptor:
     return _desc(w, [tiles.bn, tiles.bk] if layout == "nk" else [tiles.bk, tiles.bn])
 
 
-def c_desc(y: torch.Tensor, world: int, m: int, N: int, tiles: ok.Tiles) -> TensorDescriptor:
+def c_desc(y: torch.Tensor, world: int, m: int, N: int, tiles: Tiles) -> TensorDescriptor:
     """The output [world * m, N] as [world, m, N]: a tile's store stops at its chunk's end."""
     return _desc(y.view(world, m, N), [1, tiles.bm, tiles.bn])
 
 
-def ws_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: ok.Tiles | None = None,
+def ag_launcher(own: torch.Tensor, gathered: torch.Tensor, y: torch.Tensor, flags: torch.Tensor, error: torch.Tensor,
+                rank: int, world: int, m: int, N: int, K: int, piece_rows: int, splits: int, spin_limit: int,
+                grid: int, tiles: Tiles):
+    """The fused all-gather GEMM on this core, its activation and output descriptors made once: launch(w, layout,
+    fence) runs it (the same contract as overlap_kernels.ag_launcher)."""
+    own_d, gathered_d = a_desc(own, tiles), a_desc(gathered, tiles)
+    y_d = c_desc(y, world, m, N, tiles)
+
+    def launch(w: torch.Tensor, layout: str, fence: bool) -> None:
+        ag_gemm_ws_kernel[(grid,)](
+            own_d, gathered_d, b_desc(w, layout, tiles), y_d, flags, error, rank, world, m, N, K,
+            piece_rows, splits, spin_limit, GROUP_M=tiles.group_m, STAGES=tiles.stages,
+            B_NK=layout == "nk", FENCE=fence, num_warps=8, maxnreg=MAXNREG)
+
+    return launch
+
+
+def ws_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: Tiles | None = None,
               out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
     """a [M, K] @ B, with w = B as [N, K] ("nk", nn.Linear's weight) or [K, N] ("kn"); bf16/fp16, fp32 accumulation.
     The all-gather kernel with one rank: every row is its own."""
-    tiles = tiles or ok.Tiles(core=1)
+    tiles = tiles or Tiles(core=1)
     M, K = a.shape
     N = w.shape[0] if layout == "nk" else w.shape[1]
     y = out if out is not None else torch.empty((M, N), dtype=a.dtype, device=a.device)

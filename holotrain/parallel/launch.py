@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from holotrain.config import ConfigError
+from holotrain.errors import ConfigError
 
 
 @dataclass
@@ -17,6 +17,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
+    local_world_size: int = 1  # ranks on this node (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -39,7 +40,8 @@ def init_distributed(device_choice: str) -> DistEnv:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, local_world_size=local_world)
 
 
 def device_mesh(env: DistEnv, tp: int = 1):

@@ -25,52 +25,32 @@ all-gather + GEMM.
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from holotrain.errors import ConfigError
+from holotrain.parallel.tiles import Tiles, parse_tiles
 
 MODES = ("none", "async_tp", "fused")
 
 
-def parse_tiles(text: str):
-    """'128x256x64-s3-w8-g8-r2' -> overlap_kernels.Tiles fields (dict); raises ConfigError naming parallel.tp_tiles."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)((?:-[swgrdxfec]\d+)*)", text.strip())
-    if not m:
-        raise ConfigError("parallel.tp_tiles: expected BMxBNxBK[-sSTAGES][-wWARPS][-gGROUP_M][-rRESERVED_SMS]"
-                          f"[-d0|1][-x0|1][-f0|1][-e1|2][-c0|1], e.g. 128x256x64-s3-w8, got {text!r}")
-    fields = {"bm": int(m[1]), "bn": int(m[2]), "bk": int(m[3])}
-    names = {"s": "stages", "w": "warps", "g": "group_m", "r": "reserve_sms", "d": "dynamic", "x": "ws", "f": "flat",
-             "e": "epi", "c": "core"}
-    for part in filter(None, m[4].split("-")):
-        fields[names[part[0]]] = int(part[1:])
-    if fields.get("core", 0) == 1 and (fields["bm"] != 128 or fields.get("warps", 8) != 8 or fields["bn"] > 256
-                                       or fields.get("stages", 3) < 2):
-        raise ConfigError("parallel.tp_tiles: the warp-specialized core (-c1) needs BM = 128, BN <= 256, 8 warps and "
-                          f"at least 2 stages, got {text!r}")
-    if fields.get("core", 0) not in (0, 1):
-        raise ConfigError(f"parallel.tp_tiles: -c (GEMM core) must be 0 or 1, got {fields['core']}")
-    if fields.get("epi", 1) not in (1, 2):
-        raise ConfigError(f"parallel.tp_tiles: -e (epilogue pieces) must be 1 or 2, got {fields['epi']}")
-    for key in ("bm", "bn", "bk"):
-        if fields[key] < 16 or fields[key] & (fields[key] - 1):
-            raise ConfigError(f"parallel.tp_tiles: {key} must be a power of two >= 16, got {fields[key]}")
-    return fields
-
-
 class TPComm:
-    """A tensor-parallel process group with its overlap mode; owns the fused path's symmetric workspaces."""
+    """A tensor-parallel process group with its overlap mode; owns the fused path's symmetric workspaces.
 
-    def __init__(self, group: dist.ProcessGroup, mode: str = "none", tiles: str = ""):
+    tiles, spin_limit, barrier_ms, piece_mb: the fused kernels' settings (parallel.tp_tiles, tp_spin_limit,
+    tp_barrier_ms, tp_piece_mb; overlap_kernels.FusedTP says what each does); the defaults are the config's."""
+
+    def __init__(self, group: dist.ProcessGroup, mode: str = "none", tiles: str = "", *, spin_limit: int = 1 << 26,
+                 barrier_ms: int = 120000, piece_mb: float = 4.0):
         if mode not in MODES:
             raise ConfigError(f"parallel.tp_overlap must be one of {', '.join(MODES)}, got {mode!r}")
         self.group, self.mode = group, mode
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.group_name = group.group_name
         self.tiles = tiles
+        self.spin_limit, self.barrier_ms, self.piece_mb = spin_limit, barrier_ms, piece_mb
         self._fused = None
         if mode != "none":
             if not torch.cuda.is_available() or dist.get_backend(group) != "nccl":
@@ -87,83 +67,12 @@ class TPComm:
     def fused(self):
         """The fused kernels' workspace (overlap_kernels.FusedTP), made on first use."""
         if self._fused is None:
-            from holotrain.parallel.overlap_kernels import FusedTP, Tiles
+            from holotrain.parallel.overlap_kernels import FusedTP  # needs Triton: imported on first use
 
             tiles = Tiles(**parse_tiles(self.tiles)) if self.tiles else Tiles()
-            self._fused = FusedTP(self.group, tiles)
+            self._fused = FusedTP(self.group, tiles, spin_limit=self.spin_limit, barrier_ms=self.barrier_ms,
+                                  piece_mb=self.piece_mb)
         return self._fused
-
-
-# ------------------------------------------------------------------------------------------------------
-# Symmetric-memory helpers of the fused path (overlap_kernels.py), here because they need no Triton (the CPU
-# tests run them over gloo on shared-memory files).
-
-SYMM_HEADER = 4096  # bytes at the start of a fused workspace: reduce-scatter counters, self-test marker
-_MARKER = 2048  # byte offset of the self-test's head marker, inside the header
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _gather_ints(group: dist.ProcessGroup, values: list[int], device: torch.device) -> list[list[int]]:
-    """Every rank's `values` (same length on every rank), in rank order. A collective, so also a barrier."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
-    return torch.stack(rows).cpu().tolist()
-
-
-def agree_symm_size(group: dist.ProcessGroup, nbytes: int, device: torch.device, what: str) -> None:
-    """Before a symmetric allocation: every rank asks for the same size, or every rank raises (a shape that
-    differs between ranks would otherwise map buffers of different sizes, or hang one rank in the rendezvous)."""
-    sizes = [row[0] for row in _gather_ints(group, [nbytes], device)]
-    if len(set(sizes)) != 1:
-        raise RuntimeError(f"fused TP: the ranks asked for {what} buffers of different sizes {sizes} (bytes, in rank "
-                           "order): their operands' shapes differ (raised on every rank)")
-
-
-def symm_self_test(group: dist.ProcessGroup, rank: int, world: int, local: torch.Tensor, views: list[torch.Tensor],
-                   device: torch.device, what: str) -> None:
-    """A new symmetric buffer's check: every rank's markers, at the head (inside the header) and at the tail of
-    its buffer, must read back through every rank's mapping of that buffer (`views[r]`: rank r's buffer as this
-    rank maps it; `local`: this rank's own). Collective; on a mismatch every rank raises the same error, naming
-    what each rank read, so the ranks stay in step.
-
-    The order matters: write own markers; barrier; read everyone's; exchange what was read (an all-gather,
-    which also keeps any rank from clearing its markers while a peer still reads them); clear own markers;
-    barrier (no peer kernel may store into the buffer before the clearing is done). The first GPU run cleared
-    its marker right after reading, with no barrier in between, so a rank that left the barrier later than its
-    peer found the peer's marker already cleared ("markers read [1, 0], expected [1, 2]" on one rank, at a
-    random allocation), raised alone, and left its peer waiting in the op's symmetric-memory barrier until that
-    barrier's timeout trapped the peer's CUDA context ("unspecified launch failure").
-    """
-    nbytes = local.numel()
-    spots = [(_MARKER, 1)]  # (byte offset, marker base): rank r writes base + r there
-    tail = (nbytes // 4 - 1) * 4
-    if tail >= SYMM_HEADER:
-        spots.append((tail, 1 << 16))
-    local[:SYMM_HEADER].zero_()
-    for off, base in spots:
-        local[off:off + 4].view(torch.int32).fill_(base + rank)
-    _sync(device)
-    dist.barrier(group=group)  # every rank's markers are in place
-    seen = torch.cat([v[off:off + 4] for v in views for off, _ in spots]).view(torch.int32).tolist()
-    table = _gather_ints(group, seen, device)  # every rank has read: from here on markers may be cleared
-    expected = [base + r for r in range(world) for _, base in spots]
-    if any(row != expected for row in table):
-        lines = "; ".join(f"rank {q} read {row}" + ("" if row == expected else " (WRONG)")
-                          for q, row in enumerate(table))
-        raise RuntimeError(
-            f"fused TP: symmetric memory self-test failed ({what}, {nbytes} bytes; raised on every rank): markers "
-            f"read through each rank's mappings, head{' and tail' if len(spots) > 1 else ''} per source rank: "
-            f"{lines}; expected {expected}. A wrong value: that rank's view of a peer's buffer does not show what "
-            "the peer wrote there.")
-    for off, _ in spots:
-        local[off:off + 4].zero_()
-    _sync(device)
-    dist.barrier(group=group)
 
 
 def _b(w: torch.Tensor, layout: str) -> torch.Tensor:

@@ -23,14 +23,12 @@ GEMM + reduce-scatter (`gemm_rs_kernel`)
   handed out by an atomic counter in index order, so every peer tile is computed by a running CTA before any
   CTA can wait on a peer: no deadlock, whatever else shares the GPU.
 
-Both spin loops give up after `spin_limit` polls and record the failed wait in an error word that
-FusedTP.check() turns into an exception (every 64 calls without synchronizing, or on demand).
+Both spin loops give up after `spin_limit` polls (parallel.tp_spin_limit) and record the failed wait in an error
+word that FusedTP.check() turns into an exception (every 64 calls without synchronizing, or on demand).
 
-Workspaces are symmetric buffers made collectively (_Symm) when an op first needs one, or a bigger one: the ranks
-first agree on the size, then every rank's markers must read back through every rank's mapping
-(overlap.symm_self_test); either check fails on every rank alike, so no rank goes on alone into an op whose
-symmetric-memory barrier would wait for a peer that never comes (that barrier traps after its timeout, and a
-trapped kernel loses the CUDA context: "unspecified launch failure" at the next launch).
+Workspaces are symmetric buffers (symm.SymmBuffer, made and checked collectively: symm.py), made when an op first
+needs one, or a bigger one. The all-gather GEMM has two cores, chosen by Tiles.core: the Triton kernel here (0) and
+the warp-specialized Gluon one (1, gluon_gemm.py); FusedTP launches either through its `ag_launcher`.
 Runs on Hopper-class GPUs with Triton >= 3.4 (host-side TMA descriptors); bf16/fp16 operands, fp32 accumulation.
 """
 
@@ -38,7 +36,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,46 +43,17 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from holotrain.parallel.overlap import SYMM_HEADER, agree_symm_size, symm_self_test
+from holotrain.parallel.kernel_common import (
+    aligned, cdiv, check_operands, output_buffer, proxy_fence, tile_coords, wait_at_least,
+)
+from holotrain.parallel.symm import SYMM_HEADER, SymmBuffer, write_flag
+from holotrain.parallel.tiles import Tiles
 
-HEADER = SYMM_HEADER  # bytes at the start of a symmetric buffer: counters (gemm+rs), markers (self-test)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@dataclass(frozen=True)
-class Tiles:
-    bm: int = 128
-    bn: int = 256
-    bk: int = 64
-    stages: int = 3
-    warps: int = 8
-    group_m: int = 8
-    reserve_sms: int = 2  # left to the copy stream's small kernels while the all-gather GEMM runs
-    dynamic: int = 1  # GEMM + reduce-scatter tiles handed out by an atomic counter (1) or round-robin (0)
-    ws: int = 0  # Triton's automatic warp specialization of the K loop (experimental on Hopper)
-    flat: int = 0  # all-gather GEMM: tile and K loops flattened into one pipeline
-    epi: int = 1  # all-gather GEMM: the epilogue's TMA stores in 1 or 2 column pieces
-    core: int = 0  # all-gather GEMM: 0 this file's Triton kernel, 1 the warp-specialized Gluon one (gluon_gemm.py)
-
-    def __str__(self) -> str:
-        return (f"{self.bm}x{self.bn}x{self.bk}-s{self.stages}-w{self.warps}-g{self.group_m}-r{self.reserve_sms}"
-                f"-d{self.dynamic}-x{self.ws}-f{self.flat}-e{self.epi}-c{self.core}")
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter: no inline PTX (the fence)
 
 
 # --------------------------------------------------------------------------------------------------------
 # Kernels
-
-
-@triton.jit
-def _wait_at_least(ptr, target, spin_limit, err_ptr, code):
-    """Spin until *ptr >= target (acquire, system scope); after spin_limit polls, record `code` and go on."""
-    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-    n = 0
-    while (v < target) & (n < spin_limit):
-        v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        n += 1
-    if v < target:
-        tl.atomic_xchg(err_ptr, code)
 
 
 @triton.jit
@@ -94,17 +62,6 @@ def _signal(bases_ptr, peer, rank, count):
     tl.debug_barrier()  # every thread's stores issued before the release
     peer_base = tl.load(bases_ptr + peer)
     tl.atomic_add(peer_base.to(tl.pointer_type(tl.int64)) + rank, count, sem="release", scope="sys")
-
-
-@triton.jit
-def _tile(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-    """Tile t of one chunk in grouped order (GROUP_M row tiles sweep the columns together: L2 reuse)."""
-    per_group = GROUP_M * tiles_n
-    first_m = (t // per_group) * GROUP_M
-    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (t % per_group) % rows_in_group
-    pid_n = (t % per_group) // rows_in_group
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -135,13 +92,6 @@ def _store_tile(c_desc, chunk, row, col, acc, BM: tl.constexpr, BN: tl.constexpr
         c_desc.store([chunk, row, col], out.reshape(1, BM, BN))
 
 
-@triton.jit
-def _proxy_fence(x):
-    # Orders the generic-proxy acquire before the async-proxy (TMA) loads that follow it.
-    return tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["rank", "world", "m", "N", "K", "piece_rows", "splits", "spin_limit", "nprog"])
 def ag_gemm_kernel(own_desc, a_desc, b_desc, c_desc, flags_ptr, err_ptr,
                    rank, world, m, N, K, piece_rows, splits, spin_limit, nprog,
@@ -168,23 +118,23 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, c_desc, flags_ptr, err_ptr,
     # Two loops over this CTA's tiles (pid, pid + nprog, ...; nprog = the grid size), one GEMM loop each: a
     # single loop choosing its source per tile would merge two accumulators, which serializes the wgmma pipeline.
     for t in tl.range(pid, per_chunk, nprog, flatten=FLAT):  # own rows, read from the shard
-        pid_m, pid_n = _tile(t, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
         acc = _mainloop(own_desc, b_desc, pid_m * BM, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
         # The epilogue through TMA: no per-element addresses in registers (a pointer store's [BM, BN] offsets
-        # pushed the kernel past 255 registers, into spills).
+        # push the kernel past 255 registers, into spills).
         _store_tile(c_desc, rank, pid_m * BM, pid_n * BN, acc, BM, BN, EPI)
     first_peer = pid if pid >= per_chunk else pid + tl.cdiv(per_chunk - pid, nprog) * nprog
     seen = -1
     for t in tl.range(first_peer, total, nprog, flatten=FLAT):  # the peers' rows: rank + 1, rank + 2, ...
         slot = t // per_chunk
-        pid_m, pid_n = _tile(t % per_chunk, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n = tile_coords(t % per_chunk, tiles_m, tiles_n, GROUP_M)
         chunk = (rank + slot) % world
         row = pid_m * BM
         piece = (slot - 1) * splits + row // piece_rows
         if piece != seen:
-            _wait_at_least(flags_ptr + piece, 1, spin_limit, err_ptr, 1 + chunk)
+            wait_at_least(flags_ptr + piece, 1, spin_limit, err_ptr, 1 + chunk)
             if FENCE:
-                _proxy_fence(piece)
+                proxy_fence(piece)
             seen = piece
         acc = _mainloop(a_desc, b_desc, chunk * m + row, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
         _store_tile(c_desc, chunk, row, pid_n * BN, acc, BM, BN, EPI)
@@ -225,7 +175,7 @@ def gemm_rs_kernel(a_desc, b_desc, out_desc, stage_desc, bases_ptr, counter_ptr,
         if (pending > 0) & (chunk != pending_chunk):  # one release per peer and CTA, not per tile
             _signal(bases_ptr, pending_chunk, rank, pending)
             pending = 0
-        pid_m, pid_n = _tile(t % per_chunk, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n = tile_coords(t % per_chunk, tiles_m, tiles_n, GROUP_M)
         row = pid_m * BM
         acc = _mainloop(a_desc, b_desc, chunk * m + row, pid_n * BN, k_tiles, BM, BN, BK, B_NK, WS)
         if chunk != rank:
@@ -249,9 +199,9 @@ def gemm_rs_kernel(a_desc, b_desc, out_desc, stage_desc, bases_ptr, counter_ptr,
             if ready == 0:  # once all peers' tiles of this call are in, later own tiles need not poll
                 for p in range(0, world):
                     if p != rank:
-                        _wait_at_least(counters + p, expected, spin_limit, err_ptr, 100 + p)
+                        wait_at_least(counters + p, expected, spin_limit, err_ptr, 100 + p)
                 if FENCE:
-                    _proxy_fence(ready)  # the acquires above before the TMA loads of the peers' tiles
+                    proxy_fence(ready)  # the acquires above before the TMA loads of the peers' tiles
                 ready = 1
             for p in range(0, world):
                 if p != rank:
@@ -270,85 +220,34 @@ def gemm_rs_kernel(a_desc, b_desc, out_desc, stage_desc, bases_ptr, counter_ptr,
 # Host side
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous with a 16-byte aligned start (TMA descriptors need it)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _b_desc(w: torch.Tensor, layout: str, tiles: Tiles) -> TensorDescriptor:
+def b_desc(w: torch.Tensor, layout: str, tiles: Tiles) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(w, [tiles.bn, tiles.bk] if layout == "nk" else [tiles.bk, tiles.bn])
 
 
-def _c_desc(y: torch.Tensor, world: int, m: int, N: int, tiles: Tiles) -> TensorDescriptor:
+def c_desc(y: torch.Tensor, world: int, m: int, N: int, tiles: Tiles) -> TensorDescriptor:
     """The all-gather GEMM's output [world * m, N] as [world, m, N]: a tile's store stops at its chunk's end."""
     return TensorDescriptor.from_tensor(y.view(world, m, N), [1, tiles.bm, tiles.bn // tiles.epi])
 
 
-def _output(t: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16:
-        raise ValueError(f"fused TP: output must be a contiguous, 16-byte aligned {dtype} tensor of shape {shape}, "
-                         f"got {t.dtype} {tuple(t.shape)}")
-    return t
+def ag_launcher(own: torch.Tensor, gathered: torch.Tensor, y: torch.Tensor, flags: torch.Tensor, error: torch.Tensor,
+                rank: int, world: int, m: int, N: int, K: int, piece_rows: int, splits: int, spin_limit: int,
+                grid: int, tiles: Tiles):
+    """The fused all-gather GEMM on the Triton core (ag_gemm_kernel), its activation and output descriptors made
+    once: launch(w, layout, fence) runs it. own: this rank's rows [m, K]; gathered: the group's [world * m, K];
+    y: the output [world * m, N]; flags, piece_rows, splits: the pieces' arrival (see ag_gemm_kernel)."""
+    own_desc = TensorDescriptor.from_tensor(own, [tiles.bm, tiles.bk])
+    a_desc = TensorDescriptor.from_tensor(gathered, [tiles.bm, tiles.bk])
+    y_desc = c_desc(y, world, m, N, tiles)
 
+    def launch(w: torch.Tensor, layout: str, fence: bool) -> None:
+        ag_gemm_kernel[(grid,)](
+            own_desc, a_desc, b_desc(w, layout, tiles), y_desc, flags, error, rank, world, m, N, K,
+            piece_rows, splits, spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
+            GROUP_M=tiles.group_m, B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), FLAT=bool(tiles.flat),
+            EPI=tiles.epi, num_stages=tiles.stages, num_warps=tiles.warps,
+        )
 
-def _check_operands(name: str, a: torch.Tensor, w: torch.Tensor, layout: str) -> tuple[int, int]:
-    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
-        raise TypeError(f"fused {name}: bf16/fp16 operands of one dtype needed, got {a.dtype} and {w.dtype}")
-    if a.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"fused {name}: 2-D operands needed, got {tuple(a.shape)} and {tuple(w.shape)}")
-    K = a.shape[1]
-    N, Kw = (w.shape[0], w.shape[1]) if layout == "nk" else (w.shape[1], w.shape[0])
-    if Kw != K:
-        raise ValueError(f"fused {name}: inner dimensions differ, a {tuple(a.shape)}, w {tuple(w.shape)} ({layout})")
-    if K % 8 or N % 8:
-        raise ValueError(f"fused {name}: K={K} and N={N} must be multiples of 8 (TMA needs 16-byte row strides)")
-    return K, N
-
-
-class _Symm:
-    """One symmetric buffer of the group: the local tensor, its handle, and every rank's base address.
-
-    Collective: every rank of the group must make the same _Symm at the same point, with the same size."""
-
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, what: str = "workspace"):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        agree_symm_size(group, nbytes, device, what)  # never map buffers of different sizes
-        self.nbytes = nbytes
-        self.what = what
-        self.tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        try:
-            self.handle = symm_mem.rendezvous(self.tensor, group.group_name)
-        except Exception as e:
-            raise RuntimeError(
-                f"fused TP: symmetric-memory rendezvous of {nbytes / 2**20:.0f} MiB failed on rank {dist.get_rank()} "
-                f"(torch {torch.__version__}; TORCH_SYMM_MEM_DISABLE_MULTICAST="
-                f"{os.environ.get('TORCH_SYMM_MEM_DISABLE_MULTICAST')}): {e}") from e
-        rank, world = self.handle.rank, self.handle.world_size
-        # get_buffer offsets count from the handle's buffer start; find where our tensor lies in it.
-        own = self.handle.get_buffer(rank, (1,), torch.uint8)
-        self.offset = self.tensor.data_ptr() - own.data_ptr()
-        self.views = [self.handle.get_buffer(r, (nbytes,), torch.uint8, storage_offset=self.offset)
-                      for r in range(world)]
-        self.bases = torch.tensor([v.data_ptr() for v in self.views], dtype=torch.int64, device=device)
-        symm_self_test(group, rank, world, self.tensor, self.views, device, f"{what}, offset {self.offset}")
-
-    def describe(self) -> str:
-        return f"{self.what} {self.nbytes / 2**20:.1f} MiB at offset {self.offset}"
-
-    def view(self, rank: int, offset_bytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        size = torch.tensor([], dtype=dtype).element_size()
-        return self.views[rank][offset_bytes:offset_bytes + n * size].view(dtype).view(shape)
+    return launch
 
 
 def _first_line(e: Exception) -> str:
@@ -356,20 +255,15 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
-def _write_flag(flags: torch.Tensor, index: int) -> None:
-    """flags[index] = 1 on the current stream, after everything before it on that stream (no SM needed)."""
-    from torch._C._distributed_c10d import _SymmetricMemory
-
-    try:
-        _SymmetricMemory.stream_write_value32(flags.view(torch.uint32), index, 1)
-    except (AttributeError, RuntimeError, TypeError):  # older torch: a one-element fill (a kernel)
-        flags[index : index + 1].fill_(1)
-
-
 class FusedTP:
-    """The fused path of one tensor-parallel group: workspaces, streams, and the two ops."""
+    """The fused path of one tensor-parallel group: workspaces, streams, and the two ops.
 
-    def __init__(self, group: dist.ProcessGroup, tiles: Tiles | None = None):
+    spin_limit: polls of a peer's flag or counter before a kernel gives up (parallel.tp_spin_limit); barrier_ms: the
+    timeout of the all-gather's symmetric-memory barrier (parallel.tp_barrier_ms); piece_mb: about how many MiB of
+    a peer's rows arrive, and are signalled, at a time (parallel.tp_piece_mb). The defaults are the config's."""
+
+    def __init__(self, group: dist.ProcessGroup, tiles: Tiles | None = None, *, spin_limit: int = 1 << 26,
+                 barrier_ms: int = 120000, piece_mb: float = 4.0):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -380,12 +274,12 @@ class FusedTP:
         self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._error_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self._error_event = None
-        self.spin_limit = int(os.environ.get("HOLOTRAIN_TP_SPIN_LIMIT", str(1 << 26)))
-        self.piece_bytes = int(float(os.environ.get("HOLOTRAIN_TP_PIECE_MB", "4")) * 2**20)
-        self.barrier_timeout_ms = int(os.environ.get("HOLOTRAIN_TP_BARRIER_MS", "120000"))
-        self._ag: _Symm | None = None
-        self._rs: _Symm | None = None
-        self._retired: list[_Symm] = []  # outgrown buffers: peers' in-flight work may still touch them
+        self.spin_limit = int(spin_limit)
+        self.piece_bytes = int(float(piece_mb) * 2**20)
+        self.barrier_timeout_ms = int(barrier_ms)
+        self._ag: SymmBuffer | None = None
+        self._rs: SymmBuffer | None = None
+        self._retired: list[SymmBuffer] = []  # outgrown buffers: peers' in-flight work may still touch them
         self.ag_calls = self.rs_calls = 0
         self.rs_expected = 0
         self._rs_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -395,13 +289,13 @@ class FusedTP:
 
     # -- workspaces
 
-    def _workspace(self, which: str, nbytes: int) -> _Symm:
+    def _workspace(self, which: str, nbytes: int) -> SymmBuffer:
         ws = getattr(self, which)
         if ws is None or ws.nbytes < nbytes:
             if ws is not None:
                 self._retired.append(ws)
             what = "all-gather workspace" if which == "_ag" else "reduce-scatter workspace"
-            ws = _Symm(self.group, nbytes, self.device, what)
+            ws = SymmBuffer(self.group, nbytes, self.device, what)
             setattr(self, which, ws)
             if which == "_rs":
                 self.rs_expected = 0  # fresh counters
@@ -442,7 +336,7 @@ class FusedTP:
             what = (f"all-gather piece from rank {code - 1}" if code < 100 else
                     f"reduce-scatter partial sums from rank {code - 100}")
             raise RuntimeError(f"fused TP on rank {dist.get_rank()}: a kernel gave up waiting for the {what} after "
-                               f"{self.spin_limit} polls (HOLOTRAIN_TP_SPIN_LIMIT); a peer is missing or the "
+                               f"{self.spin_limit} polls (parallel.tp_spin_limit); a peer is missing or the "
                                "ranks' calls went out of step. Results of that call are wrong.")
 
     def _watch(self) -> None:
@@ -488,9 +382,9 @@ class FusedTP:
     def _pieces(self, m: int, row_bytes: int) -> tuple[int, int]:
         """(rows per piece, pieces per chunk): pieces of about piece_bytes, whole groups of row tiles each."""
         unit = self.tiles.bm * self.tiles.group_m
-        splits = max(1, min(64, _cdiv(m * row_bytes, self.piece_bytes)))
-        piece_rows = _cdiv(_cdiv(m, splits), unit) * unit
-        return piece_rows, _cdiv(m, piece_rows)
+        splits = max(1, min(64, cdiv(m * row_bytes, self.piece_bytes)))
+        piece_rows = cdiv(cdiv(m, splits), unit) * unit
+        return piece_rows, cdiv(m, piece_rows)
 
     def all_gather_matmul(self, a_shard: torch.Tensor, w: torch.Tensor, layout: str = "nk",
                           out: torch.Tensor | None = None, gathered: torch.Tensor | None = None, diag: str = ""):
@@ -498,26 +392,26 @@ class FusedTP:
         diag, for benchmarks (the result is wrong): "no_wait" raises every piece's flag before the GEMM starts (the
         copies still run beside it), "no_comm" also leaves out the copies and the barrier: what waiting for pieces,
         and the copies' traffic, cost the GEMM."""
-        K, N = _check_operands("all_gather_matmul", a_shard, w, layout)
-        a_shard, w = _aligned(a_shard), _aligned(w)
+        K, N = check_operands("all_gather_matmul", a_shard, w, layout)
+        a_shard, w = aligned(a_shard), aligned(w)
         m, W, rank, tiles = a_shard.shape[0], self.world, self.rank, self.tiles
         dtype, elt = a_shard.dtype, a_shard.element_size()
-        gathered = _output(gathered, (W * m, K), dtype, self.device)
-        y = _output(out, (W * m, N), dtype, self.device)
+        gathered = output_buffer(gathered, (W * m, K), dtype, self.device)
+        y = output_buffer(out, (W * m, N), dtype, self.device)
         if m == 0:
             return gathered, y
-        slot_bytes = _cdiv(m * K * elt, HEADER) * HEADER
-        ws = self._workspace("_ag", HEADER + 2 * slot_bytes)
+        slot_bytes = cdiv(m * K * elt, SYMM_HEADER) * SYMM_HEADER
+        ws = self._workspace("_ag", SYMM_HEADER + 2 * slot_bytes)
         parity = self.ag_calls & 1
         self.ag_calls += 1
-        slot_off = HEADER + parity * slot_bytes
+        slot_off = SYMM_HEADER + parity * slot_bytes
         piece_rows, splits = self._pieces(m, K * elt)
         flags = (torch.ones if diag else torch.zeros)(max(1, (W - 1) * splits), dtype=torch.int32, device=self.device)
 
         # The copies go first, on high-priority streams: the shard's copy into the symmetric buffer is what the
-        # peer waits for. Same-device copies run on SMs, so the GEMM starts ~130 us later, once they are done; with
-        # the GEMM first (tried: a high-priority GEMM stream), a copy on the SMs it leaves free took up to 1 ms on
-        # one rank, and the pieces reached the GEMM later: no faster, and fragile at larger world sizes.
+        # peer waits for. Same-device copies run on SMs, so the GEMM starts once they are done (~130 us); a GEMM
+        # launched first would leave those copies only the SMs it does not hold, which delays them, and with them
+        # the pieces the GEMM waits for.
         compute = torch.cuda.current_stream(self.device)
         self.local_stream.wait_stream(compute)
         self.copy_stream.wait_stream(compute)
@@ -533,34 +427,16 @@ class FusedTP:
                     for p in range(splits):
                         r0, r1 = p * piece_rows, min(m, (p + 1) * piece_rows)
                         gathered[src * m + r0: src * m + r1].copy_(peer[r0:r1])  # copy engine, over NVLink
-                        _write_flag(flags, (s - 1) * splits + p)
+                        write_flag(flags, (s - 1) * splits + p)
 
-        total = _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn) * W
+        total = cdiv(m, tiles.bm) * cdiv(N, tiles.bn) * W
         grid = max(1, min(total, self.num_sms - tiles.reserve_sms))
-        if tiles.core == 1:
-            from holotrain.parallel import gluon_gemm as gg
-
-            own_desc, a_desc = gg.a_desc(a_shard, tiles), gg.a_desc(gathered, tiles)
-            c_desc = gg.c_desc(y, W, m, N, tiles)
-
-            def launch(w, layout, fence):
-                gg.ag_gemm_ws_kernel[(grid,)](
-                    own_desc, a_desc, gg.b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K,
-                    piece_rows, splits, self.spin_limit, GROUP_M=tiles.group_m, STAGES=tiles.stages,
-                    B_NK=layout == "nk", FENCE=fence, num_warps=8, maxnreg=gg.MAXNREG)
+        if tiles.core == 1:  # imported here: the Gluon core needs a Triton with Gluon, the default core does not
+            from holotrain.parallel.gluon_gemm import ag_launcher as core_launcher
         else:
-            own_desc = TensorDescriptor.from_tensor(a_shard, [tiles.bm, tiles.bk])
-            a_desc = TensorDescriptor.from_tensor(gathered, [tiles.bm, tiles.bk])
-            c_desc = _c_desc(y, W, m, N, tiles)
-
-            def launch(w, layout, fence):
-                ag_gemm_kernel[(grid,)](
-                    own_desc, a_desc, _b_desc(w, layout, tiles), c_desc, flags, self.error, rank, W, m, N, K,
-                    piece_rows, splits, self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
-                    GROUP_M=tiles.group_m, B_NK=layout == "nk", FENCE=fence, WS=bool(tiles.ws), FLAT=bool(tiles.flat),
-                    EPI=tiles.epi, num_stages=tiles.stages, num_warps=tiles.warps,
-                )
-
+            core_launcher = ag_launcher
+        launch = core_launcher(a_shard, gathered, y, flags, self.error, rank, W, m, N, K, piece_rows, splits,
+                               self.spin_limit, grid, tiles)
         self._launch(launch, w, layout)
         compute.wait_stream(self.copy_stream)
         compute.wait_stream(self.local_stream)
@@ -578,34 +454,34 @@ class FusedTP:
         diag_local_stores: a diagnostic for benchmarks (the result is wrong): the kernel stores the peers' tiles
         into this rank's own memory and never waits for the peers, which isolates the cost of NVLink stores and
         cross-rank synchronization."""
-        K, N = _check_operands("matmul_reduce_scatter", a, w, layout)
-        a, w = _aligned(a), _aligned(w)
+        K, N = check_operands("matmul_reduce_scatter", a, w, layout)
+        a, w = aligned(a), aligned(w)
         W, tiles = self.world, self.tiles
         M = a.shape[0]
         if M % W:
             raise ValueError(f"fused matmul_reduce_scatter: {M} rows do not split over {W} ranks")
         m = M // W
-        out = _output(out, (m, N), a.dtype, self.device)
+        out = output_buffer(out, (m, N), a.dtype, self.device)
         if m == 0:
             return out
         stage_elems = W * m * N
-        ws = self._workspace("_rs", HEADER + 2 * stage_elems * a.element_size())
+        ws = self._workspace("_rs", SYMM_HEADER + 2 * stage_elems * a.element_size())
         parity = self.rs_calls & 1
         self.rs_calls += 1
         if not diag_local_stores:
-            self.rs_expected += _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn)  # tiles each peer sends per call
+            self.rs_expected += cdiv(m, tiles.bm) * cdiv(N, tiles.bn)  # tiles each peer sends per call
         self._rs_counter.zero_()
-        grid = self.num_sms if tiles.dynamic else min(self.num_sms, W * _cdiv(m, tiles.bm) * _cdiv(N, tiles.bn))
+        grid = self.num_sms if tiles.dynamic else min(self.num_sms, W * cdiv(m, tiles.bm) * cdiv(N, tiles.bn))
         a_desc = TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk])
         out_desc = TensorDescriptor.from_tensor(out, [tiles.bm, tiles.bn])
-        stage_desc = TensorDescriptor.from_tensor(ws.view(self.rank, HEADER, (2 * W, m, N), a.dtype),
+        stage_desc = TensorDescriptor.from_tensor(ws.view(self.rank, SYMM_HEADER, (2 * W, m, N), a.dtype),
                                                   [1, tiles.bm, tiles.bn])
 
         def launch(w, layout, fence):
             gemm_rs_kernel[(grid,)](
-                a_desc, _b_desc(w, layout, tiles), out_desc, stage_desc, ws.bases, self._rs_counter, self.error,
+                a_desc, b_desc(w, layout, tiles), out_desc, stage_desc, ws.bases, self._rs_counter, self.error,
                 self.rank, W, m, N, K, parity, self.rs_expected, self.spin_limit, grid, BM=tiles.bm, BN=tiles.bn,
-                BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk", HEADER_BYTES=HEADER,
+                BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk", HEADER_BYTES=SYMM_HEADER,
                 DYNAMIC=bool(tiles.dynamic), FENCE=fence, WS=bool(tiles.ws),
                 LOCAL_STORES=diag_local_stores, num_stages=tiles.stages, num_warps=tiles.warps,
             )
@@ -619,24 +495,24 @@ def triton_matmul(a: torch.Tensor, w: torch.Tensor, layout: str = "nk", tiles: T
                   num_sms: int | None = None) -> torch.Tensor:
     """The fused kernels' GEMM alone (no communication): a [M, K] @ B, for tests and the benchmark."""
     tiles = tiles or Tiles()
-    K, N = _check_operands("matmul", a, w, layout)
-    a, w = _aligned(a), _aligned(w)
+    K, N = check_operands("matmul", a, w, layout)
+    a, w = aligned(a), aligned(w)
     M = a.shape[0]
     if tiles.core == 1:
-        from holotrain.parallel import gluon_gemm as gg
+        from holotrain.parallel.gluon_gemm import ws_matmul
 
-        return gg.ws_matmul(a, w, layout, tiles, num_sms=num_sms)
+        return ws_matmul(a, w, layout, tiles, num_sms=num_sms)
     y = torch.empty((M, N), dtype=a.dtype, device=a.device)
     flags = torch.ones(1, dtype=torch.int32, device=a.device)  # unread: one rank's rows are all its own
     error = torch.zeros(1, dtype=torch.int32, device=a.device)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
-    rows = max(tiles.bm, _cdiv(M, tiles.bm) * tiles.bm)
-    total = _cdiv(M, tiles.bm) * _cdiv(N, tiles.bn)
+    rows = max(tiles.bm, cdiv(M, tiles.bm) * tiles.bm)
+    total = cdiv(M, tiles.bm) * cdiv(N, tiles.bn)
     grid = max(1, min(total, num_sms))
     a_desc = TensorDescriptor.from_tensor(a, [tiles.bm, tiles.bk])
     ag_gemm_kernel[(grid,)](
-        a_desc, a_desc, _b_desc(w, layout, tiles), _c_desc(y, 1, M, N, tiles), flags, error,
+        a_desc, a_desc, b_desc(w, layout, tiles), c_desc(y, 1, M, N, tiles), flags, error,
         0, 1, M, N, K, rows, 1, 1 << 20, grid,
         BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, GROUP_M=tiles.group_m, B_NK=layout == "nk",
         FENCE=a.is_cuda and not _INTERPRET, WS=bool(tiles.ws), FLAT=bool(tiles.flat), EPI=tiles.epi,

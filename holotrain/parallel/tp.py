@@ -22,6 +22,7 @@ the row-parallel linears, norms and embedding, and `Llama.loss`, on the instance
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,27 @@ from holotrain.parallel.overlap import (
 )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, overlap: str = "none", tiles: str = "") -> TPComm:
-    """Splits `model` (a holotrain Llama, on any device, "meta" included) over `tp_mesh` in place."""
+class TPSection(Protocol):
+    """What apply_tp reads of the config's `parallel` section (holotrain.config.ParallelConfig)."""
+
+    tp_overlap: str
+    tp_tiles: str
+    tp_spin_limit: int
+    tp_barrier_ms: int
+    tp_piece_mb: float
+
+
+_SECTION_KEYS = tuple(TPSection.__annotations__)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, section: TPSection) -> TPComm:
+    """Splits `model` (a holotrain Llama, on any device, "meta" included) over `tp_mesh` in place, as the config's
+    `parallel` section says (tp_overlap, tp_tiles and the fused kernels' tp_spin_limit, tp_barrier_ms, tp_piece_mb)."""
+    missing = [k for k in _SECTION_KEYS if not hasattr(section, k)]
+    if missing:
+        raise TypeError(f"apply_tp(model, tp_mesh, section) takes the config's parallel section (cfg.parallel), got "
+                        f"{type(section).__name__} {section!r}, without {', '.join(missing)}")
+    overlap = section.tp_overlap
     if overlap not in MODES:
         raise ConfigError(f"parallel.tp_overlap must be one of {', '.join(MODES)}, got {overlap!r}")
     tp = tp_mesh.size()
@@ -49,7 +69,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, overlap: str = "none", tiles
             raise ConfigError(f"parallel.tp={tp} must divide model.{key}={getattr(a, key)}")
     if overlap != "none" and tp_mesh.device_type != "cuda":
         raise ConfigError(f"parallel.tp_overlap={overlap!r} runs on CUDA GPUs only; use 'none' on the CPU")
-    comm = TPComm(tp_mesh.get_group(), overlap, tiles)
+    comm = TPComm(tp_mesh.get_group(), overlap, section.tp_tiles, spin_limit=section.tp_spin_limit,
+                  barrier_ms=section.tp_barrier_ms, piece_mb=section.tp_piece_mb)
     plan = {
         "tok_embeddings": VocabParallelEmbedding(comm),
         "layers.*.attention_norm": SequenceParallelNorm(comm),

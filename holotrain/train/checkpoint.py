@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 TRAINER_STATE = "trainer_state.json"
@@ -121,20 +121,12 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def _train_state(model: torch.nn.Module, optimizer) -> dict:
-    """{"model": ..., "optim": ...} state dicts keyed by parameter name. An optimizer that keeps its state
-    elsewhere (the offload engine: fp32 masters and moments in host memory) gives its own, with more keys."""
-    if hasattr(optimizer, "checkpoint_state"):
-        return optimizer.checkpoint_state()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
-
-
 def save_checkpoint(
-    run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int,
+    run_dir: Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict, keep: int,
     extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. `extra_files` (name -> text, given on rank 0) are written into the
+    """Collective: every rank calls it. `optimizer` (holotrain.optim.StepOptimizer) gives the training state, model
+    included, keyed by parameter name. `extra_files` (name -> text, given on rank 0) are written into the
     checkpoint before it is published. Returns the final checkpoint directory."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
@@ -145,7 +137,7 @@ def save_checkpoint(
         shutil.rmtree(final, ignore_errors=True)
     _barrier()
     with _quiet_single_process():
-        dcp.save({**_train_state(model, optimizer), "rng": _rng_state()}, checkpoint_id=tmp)
+        dcp.save({**optimizer.state_dict(), "rng": _rng_state()}, checkpoint_id=tmp)
     _maybe_inject_fault(step)
     if _rank() == 0:
         # trainer_state.json goes last: its presence marks a checkpoint whose files are all written.
@@ -167,15 +159,12 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
     """Collective. Restores model, optimizer and RNG in place; returns the trainer state."""
-    state = {**_train_state(model, optimizer), "rng": _rng_state()}
+    state = {**optimizer.state_dict(), "rng": _rng_state()}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path))
-    if hasattr(optimizer, "load_checkpoint_state"):
-        optimizer.load_checkpoint_state(state)
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    optimizer.load_state_dict(state)
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"])

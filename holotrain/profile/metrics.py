@@ -11,15 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-
-def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop the rows of a per-step JSONL file after `last_step` (a resumed run re-runs those steps), atomically."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+from holotrain.jsonl import truncate_jsonl
 
 
 def _fmt(row: dict) -> str:

@@ -1,0 +1,85 @@
+"""The data plane as the trainer sees it: built from the `data` section and the job's batch layout, it starts this
+node's plane (local rank 0), connects this rank, hands out each step's micro-batches, and reports `data.*`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from holotrain.data.client import DataClient, plane_address, start_plane
+from holotrain.data.corpus import EOS, PAD
+from holotrain.data.plane import PlaneSpec
+from holotrain.jsonl import truncate_jsonl
+
+if TYPE_CHECKING:
+    from holotrain.config import DataConfig
+    from holotrain.parallel import DistEnv
+
+STAT_FIELDS = ("tokens_by_source", "skipped", "skip_examples", "padding", "cost_max_over_mean", "workers",
+               "worker_restarts")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the global batch splits: what the data plane needs from the training and parallel sections."""
+
+    global_batch: int  # sequences per optimizer step, all ranks
+    micro: int  # sequences per rank per forward
+    accum: int  # micro-batches per step
+    tp: int  # ranks of a tensor-parallel group (they read the same batch)
+    seed: int
+
+
+class Data:
+    """This rank's view of the node's data plane."""
+
+    def __init__(self, section: DataConfig, env: DistEnv, run_dir: Path, tokenizer, layout: Layout,
+                 state: dict | None, start_step: int):
+        self.env = env
+        node_first = env.rank - env.local_rank
+        spec = PlaneSpec(
+            sources=section.sources, tokenizer_path=str(Path(run_dir) / "tokenizer.json"),
+            eos_id=tokenizer.token_to_id(EOS), pad_id=tokenizer.token_to_id(PAD) or 0, seq_len=section.seq_len,
+            global_batch=layout.global_batch, world_size=env.world_size,
+            local_ranks=list(range(node_first, node_first + env.local_world_size)), micro_batch=layout.micro,
+            tp=layout.tp, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
+            chunk_bytes=int(section.chunk_mb * 2**20), prefetch_steps=section.prefetch_steps,
+            balance=section.balance, shuffle=section.shuffle, log_samples=section.log_samples,
+            backend=section.backend, ray_address=section.ray_address,
+        )
+        address, key = plane_address(run_dir)
+        plane = start_plane(spec, state, address, key) if env.local_rank == 0 else None
+        self.client = DataClient(address, key, env.rank, start_step, env.device, plane=plane)
+        self._samples_log = None
+        if env.is_main and section.log_samples:
+            truncate_jsonl(Path(run_dir) / "samples.jsonl", start_step)
+            self._samples_log = open(Path(run_dir) / "samples.jsonl", "a")
+
+    def next(self, step: int):
+        """The micro-batches of step `step` (1-based, the step they train) and the seconds spent waiting for them."""
+        batches, waited = self.client.next()
+        if self._samples_log is not None:
+            self._samples_log.write(json.dumps({"step": step, "samples": self.client.samples}) + "\n")
+            self._samples_log.flush()
+        return batches, waited
+
+    def state(self, steps_done: int) -> dict | None:
+        """The plane's state after `steps_done` steps, for a checkpoint (main rank only)."""
+        return self.client.state(steps_done) if self.env.is_main else None
+
+    def metrics(self, steps: int) -> dict:
+        stats = self.client.stats
+        return {f"data.{k}": stats.get(k) for k in STAT_FIELDS}
+
+    def close(self) -> None:
+        if self._samples_log is not None:
+            self._samples_log.close()
+            self._samples_log = None
+        self.client.close(stop_plane=self.env.local_rank == 0)
+
+
+def build(section: DataConfig, env: DistEnv, run_dir: Path, tokenizer, layout: Layout, state: dict | None,
+          start_step: int) -> Data:
+    return Data(section, env, run_dir, tokenizer, layout, state, start_step)

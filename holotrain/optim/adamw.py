@@ -1,0 +1,128 @@
+"""AdamW: its hyperparameters, parameter groups and clipping rule, and the on-device implementation."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+if TYPE_CHECKING:
+    from holotrain.config import TrainingConfig
+    from holotrain.profile import PhaseClock
+
+
+class StepOptimizer(Protocol):
+    """What the trainer calls; both optimizer paths implement it."""
+
+    clock: PhaseClock | None  # times this optimizer's phases (time.optimizer, and its own) when set
+
+    def begin(self, lr: float, accum: int) -> None:
+        """Before the first micro-batch of a step of `accum` micro-batches, at learning rate `lr`."""
+
+    def finish(self) -> torch.Tensor:
+        """After the last backward: clips with the global gradient norm, steps (a non-finite norm skips the
+        step), clears the gradients. Returns the norm as a device tensor, without synchronizing."""
+
+    def metrics(self, steps: int) -> dict:
+        """The optimizer's own fields of the metrics row, per step over the last `steps` steps."""
+
+    def state_dict(self) -> dict:
+        """The training state, {"model": ..., "optim": ..., ...} keyed by parameter name: the tensors that a
+        checkpoint saves from and loads into, in place."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """After a checkpoint was loaded into state_dict()'s tensors: applies what was not loaded in place."""
+
+    def close(self) -> None:
+        """Releases threads and memory; safe to call twice."""
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    """AdamW's hyperparameters, read once from the training section."""
+
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    clip: float  # the gradient norm above which gradients are scaled down; inf: no clipping
+
+    @classmethod
+    def from_section(cls, training: TrainingConfig) -> AdamWHyper:
+        # training.grad_clip = 0 means no clipping: an infinite threshold makes every rule below a no-op.
+        clip = training.grad_clip if training.grad_clip > 0 else math.inf
+        return cls((training.beta1, training.beta2), training.eps, training.weight_decay, clip)
+
+    def clip_scale(self, norm: float) -> float:
+        """What the gradients are divided by for a finite norm (1.0: no clipping)."""
+        return max(norm / self.clip, 1.0)
+
+
+def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: norms (1-D parameters) are not decayed. Empty groups are left out."""
+    params = list(params)
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]]
+
+
+def fused_adamw(params: Iterable[nn.Parameter], lr: float, hyper: AdamWHyper) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(params, hyper.weight_decay), lr=lr, betas=hyper.betas, eps=hyper.eps,
+                             fused=True)
+
+
+def step_clipped(optimizer: torch.optim.AdamW, norm: torch.Tensor, clip: float) -> None:
+    """One fused AdamW step with the clip folded into the kernel: it divides each gradient by grad_scale as it reads
+    it, which saves a read-modify-write pass over all gradients; a non-finite norm skips the step (found_inf).
+    Only for plain tensors: DTensor gradients (FSDP2) take clip_grad_norm_ instead."""
+    optimizer.grad_scale = torch.clamp(norm / clip, min=1.0)
+    optimizer.found_inf = (~torch.isfinite(norm)).float()
+    optimizer.step()
+    optimizer.grad_scale = optimizer.found_inf = None
+
+
+class DeviceAdamW:
+    """Fused AdamW over every parameter of the model, where the parameters live (GPU, or the CPU in tests)."""
+
+    def __init__(self, model: nn.Module, hyper: AdamWHyper, lr: float, sharded: bool, clock=None):
+        self.model, self.hyper, self.clock = model, hyper, clock
+        self.optimizer = fused_adamw(model.parameters(), lr, hyper)
+        # One process: the clip goes into the fused kernel. FSDP2's DTensor gradients take the plain path.
+        self.fold_clip = not sharded
+
+    def begin(self, lr: float, accum: int) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def finish(self) -> torch.Tensor:
+        with self._phase("optimizer"):
+            if self.fold_clip:
+                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                grad_norm = torch.nn.utils.get_total_norm(grads)
+                step_clipped(self.optimizer, grad_norm, self.hyper.clip)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hyper.clip)
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def metrics(self, steps: int) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def close(self) -> None:
+        pass
+
+    def _phase(self, name: str):
+        return self.clock.phase(name) if self.clock is not None else contextlib.nullcontext()

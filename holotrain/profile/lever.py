@@ -1,0 +1,59 @@
+"""The profiling lever as the trainer sees it: the step phase clock, torch.profiler traces of chosen steps, and the
+report at the end of the run. Built from the `profile` section alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from holotrain.profile.metrics import MetricsLogger
+from holotrain.profile.phases import PhaseClock
+from holotrain.profile.trace import StepTracer
+
+if TYPE_CHECKING:
+    from holotrain.config import ProfileConfig
+    from holotrain.parallel import DistEnv
+
+
+class Profiler:
+    def __init__(self, section: ProfileConfig, env: DistEnv, run_dir: Path):
+        self.section, self.env, self.run_dir = section, env, Path(run_dir)
+        # None without profile.phases: nothing is timed per phase
+        self.clock = PhaseClock(env.device) if section.phases else None
+        self.tracer = StepTracer(section.trace_steps, run_dir, env.rank, section.trace_max_mb, env.device.type == "cuda")
+
+    def logger(self, total_steps: int, start_step: int) -> MetricsLogger | None:
+        """The metrics sinks (metrics.jsonl, TensorBoard, the terminal): the main rank's only."""
+        if not self.env.is_main:
+            return None
+        return MetricsLogger(self.run_dir, total_steps, start_step, self.section.tensorboard, self.section.progress)
+
+    def before(self, step: int) -> None:
+        self.tracer.before(step)
+
+    def after(self, step: int) -> None:
+        self.tracer.after(step)
+
+    def add(self, phase: str, seconds: float) -> None:
+        """A duration measured elsewhere (waiting for data)."""
+        if self.clock is not None:
+            self.clock.add(phase, seconds)
+
+    def metrics(self, steps: int) -> dict:
+        """time.* per step since the last call; after the device is synchronized."""
+        return self.clock.collect(steps) if self.clock is not None else {}
+
+    def close(self) -> None:
+        self.tracer.close()
+
+    def write_report(self) -> Path | None:
+        """RUN_DIR/report.html (main rank, profile.report)."""
+        if not (self.env.is_main and self.section.report):
+            return None
+        from holotrain.profile.report import write_report
+
+        return write_report(self.run_dir)
+
+
+def build(section: ProfileConfig, env: DistEnv, run_dir: Path) -> Profiler:
+    return Profiler(section, env, run_dir)

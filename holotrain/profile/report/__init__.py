@@ -1,0 +1,225 @@
+"""`holotrain report RUN_DIR` -> RUN_DIR/report.html: one self-contained page about a finished (or running) run.
+
+Reads `metrics.jsonl` (required), and when present `config.toml`, `telemetry.jsonl` (NVML samples, analysed by
+`holotrain.hw.dvfs`), `hw_probe.json` and `traces/`. Charts are inline SVG drawn here, in Python; the only
+script is a few lines that record each chart's rendered size (a self-check for tests and curious readers).
+Every field may be null, NaN or missing: a chart without data becomes a one-line note, never an error.
+
+Layout: `data` reads the run directory and derives per-step figures, `charts` draws the SVG charts, `markup`
+holds the HTML pieces (formatting, tables, style sheet), `hardware` and `sinks` build the clock/power/energy and
+"where the time goes" sections; `write_report` here puts the page together.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from holotrain.jsonl import read_jsonl
+from holotrain.profile.report.charts import OTHER_COLOR, PALETTE, PHASE_COLORS, _line_chart, _stacked_bars
+from holotrain.profile.report.data import (
+    _dev_key,
+    _has,
+    _interval_steps,
+    _mean,
+    _model_params,
+    _num,
+    _phase_keys,
+    _read_config,
+    _read_json,
+    _read_metrics,
+    _series,
+    _steady,
+    _top_level,
+    _trace_files,
+    _weighted_mean,
+)
+from holotrain.profile.report.hardware import _hw_section, _probe_table
+from holotrain.profile.report.markup import CSS, SCRIPT, _figs, _fmt, _note, _pct, _section, _table, esc
+from holotrain.profile.report.sinks import _sinks
+
+__all__ = ["write_report"]
+
+
+def write_report(run_dir) -> Path:
+    run_dir = Path(run_dir)
+    rows = _read_metrics(run_dir)
+    cfg = _read_config(run_dir)
+    job, model, data, training = (cfg.get(k) if isinstance(cfg.get(k), dict) else {}
+                                  for k in ("job", "model", "data", "training"))
+
+    telemetry: list[dict] = []
+    tel_path = run_dir / "telemetry.jsonl"
+    if tel_path.is_file():
+        telemetry = read_jsonl(tel_path)
+    analysis, dvfs_note = None, None
+    if telemetry:
+        try:
+            from holotrain.hw import dvfs
+        except ImportError as e:
+            dvfs_note = f"DVFS analysis unavailable (holotrain.hw.dvfs: {e})."
+        else:
+            try:
+                analysis = dvfs.analyze(telemetry, rows)
+            except Exception as e:  # malformed telemetry must not cost the user the rest of the report
+                dvfs_note = f"DVFS analysis failed: {type(e).__name__}: {e}"
+    analysis = analysis if isinstance(analysis, dict) else {}
+
+    steady = _steady(rows)
+    nsteps = _interval_steps(rows)
+    weights = [(r, nsteps[id(r)]) for r in steady]
+    step_s = _weighted_mean((r.get("step_s"), w) for r, w in weights)
+    tokens_per_s = _weighted_mean((r.get("tokens_per_s"), (_num(r.get("step_s")) or 0) * w) for r, w in weights)
+    if tokens_per_s is None:  # no step times to weight by
+        tokens_per_s = _mean(r.get("tokens_per_s") for r in steady)
+    mfu = _weighted_mean((r.get("mfu"), w) for r, w in weights)
+    tflops = _weighted_mean((r.get("tflops"), w) for r, w in weights)
+    j_per_token = _weighted_mean((r.get("energy.j_per_token"), w) for r, w in weights)
+    final_loss = next((_num(r.get("loss")) for r in reversed(rows) if _num(r.get("loss")) is not None), None)
+
+    # devices: telemetry headers, else the probe, else the config
+    devices = [d for d in (analysis.get("devices") or []) if isinstance(d, dict)]
+    if not devices:
+        devices = [r for r in telemetry if r.get("kind") == "device"]
+    probe = _read_json(run_dir / "hw_probe.json") if (run_dir / "hw_probe.json").is_file() else None
+    dev_names = sorted({str(d.get("name")) for d in devices if d.get("name")})
+    if dev_names:
+        n_dev = len({_dev_key(d.get("device")) for d in devices})
+        device = ", ".join(dev_names) + (f" ({n_dev} devices)" if n_dev > 1 else "")
+    elif isinstance(probe, dict) and isinstance(probe.get("device"), (str, dict)):
+        pd = probe["device"]
+        device = str(pd.get("name", pd) if isinstance(pd, dict) else pd)
+    elif not _has(rows, "mfu") and not _has(rows, "mem.peak_gb"):
+        device = f"CPU (job.device = {job.get('device', '?')}; no GPU metrics)"
+    else:
+        device = f"GPU (job.device = {job.get('device', '?')}; no telemetry)"
+
+    name = str(job.get("name") or run_dir.name)
+    params = _model_params(model, data)
+    model_desc = ", ".join(
+        f"{k} {model[k]}" for k in ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+        if k in model
+    )
+    if params:
+        size = f"{params / 1e6:,.1f}M parameters"
+        model_desc = f"{size} ({model_desc})" if model_desc else size
+    last_step = rows[-1]["step"] if rows else None
+    planned = training.get("steps")
+    wall = [_num(r.get("wall_time")) for r in rows if _num(r.get("wall_time")) is not None]
+    peak_mem = max((_num(r.get("mem.peak_gb")) for r in rows if _num(r.get("mem.peak_gb")) is not None), default=None)
+
+    header = [
+        ("run", name),
+        ("run directory", str(run_dir.resolve())),
+        ("model", model_desc or "unknown (no config.toml)"),
+        ("device", device),
+        ("sequence length × batch", f"{data.get('seq_len', '?')} × {training.get('batch_size', '?')}"
+         if data or training else "—"),
+        ("steps", f"{_fmt(last_step)}" + (f" of {planned}" if planned else "") + f" ({len(rows)} logged)"),
+        ("tokens", _fmt(rows[-1].get("tokens")) if rows else "—"),
+        ("final loss", _fmt(final_loss, 4)),
+        ("mean tokens/s", _fmt(tokens_per_s)),
+        ("mean step time", f"{_fmt(step_s)} s" if step_s is not None else "—"),
+        ("TFLOP/s per device", _fmt(tflops)),
+        ("MFU", _pct(mfu) if mfu is not None else "— (peak unknown: CPU or unlisted GPU)"),
+    ]
+    if j_per_token is not None:
+        header.append(("energy", f"{j_per_token:.4g} J/token ({j_per_token * 1000:.3g} J per 1k tokens)"))
+    if peak_mem is not None:
+        header.append(("peak GPU memory", f"{peak_mem:.2f} GB"))
+    if len(wall) >= 2:
+        header.append(("wall time (logged span)", f"{wall[-1] - wall[0]:,.1f} s"))
+
+    parts: list[str] = []
+    parts.append(_section("Summary", _table(header) + _note(
+        "Means are over the logged steps after the first (start-up excluded), weighted by time."
+        if len(rows) >= 3 else "Means are over all logged steps."), "summary"))
+
+    # -- throughput and loss
+    tps = _line_chart([{"name": "tokens/s", "color": PALETTE[0], "points": _series(rows, "tokens_per_s")}],
+                      chart_id="chart-tokens", title="Throughput", x_label="step", y_label="tokens/s", y_zero=True)
+    loss = _line_chart([{"name": "loss", "color": PALETTE[1], "points": _series(rows, "loss")}],
+                       chart_id="chart-loss", title="Loss", x_label="step", y_label="loss")
+    body = _figs(tps, loss)
+    if not tps:
+        body += _note("No tokens_per_s in metrics.jsonl.")
+    if not loss:
+        body += _note("No loss in metrics.jsonl.")
+    traced = (cfg.get("profile") or {}).get("trace_steps") or []
+    if traced:
+        body += _note(f"Steps {', '.join(str(t) for t in sorted(traced))} ran under torch.profiler "
+                      "(profile.trace_steps): their logged interval is slower by design.")
+    parts.append(_section("Throughput and loss", body, "throughput"))
+
+    # -- phases
+    phase_keys = _phase_keys(rows)
+    stacked = _top_level(phase_keys)
+    if stacked:
+        layers = []
+        for i, k in enumerate(stacked):
+            p = k[len("time."):]
+            layers.append((p, [_num(r.get(k)) for r in rows], PHASE_COLORS.get(p, PALETTE[(i + 4) % len(PALETTE)])))
+        other = []
+        for r in rows:
+            s = _num(r.get("step_s"))
+            other.append(None if s is None else max(0.0, s - sum(_num(r.get(k)) or 0.0 for k in stacked)))
+        if any(v for v in other):
+            layers.append(("other", other, OTHER_COLOR))
+        chart = _stacked_bars([r["step"] for r in rows], layers, chart_id="chart-phases",
+                              title="Step time by phase (seconds per step, per logged step)",
+                              x_label="step", y_label="seconds per step")
+        body = _figs(chart) + _note("\"other\" = step_s minus the recorded phases (host and launch overhead, "
+                                    "synchronization), clamped at 0.") if chart else _note("Phase times are all zero.")
+    else:
+        body = _note("No time.* phase times in metrics.jsonl (profile.phases off?).")
+    parts.append(_section("Where each step goes", body, "phases"))
+
+    # -- hardware: clocks, power, energy, throttling
+    parts.append(_section("Clocks, power and energy", _hw_section(rows, telemetry, analysis, devices, dvfs_note),
+                          "hardware"))
+
+    # -- memory
+    mem_series = [
+        {"name": label, "color": color, "points": _series(rows, key)}
+        for key, label, color in (("mem.peak_gb", "GPU peak allocated", PALETTE[0]),
+                                  ("mem.reserved_gb", "GPU reserved", PALETTE[3]),
+                                  ("mem.host_rss_gb", "host RSS", PALETTE[2]))
+        if _has(rows, key)
+    ]
+    if mem_series:
+        body = _figs(_line_chart(mem_series, chart_id="chart-memory", title="Memory", x_label="step", y_label="GB",
+                                 y_zero=True))
+    else:
+        body = _note("No memory figures (mem.* are null on CPU runs).")
+    parts.append(_section("Memory", body, "memory"))
+
+    # -- where the time goes
+    parts.append(_section("Where the time goes", _sinks(steady, nsteps, phase_keys, step_s, mfu, analysis),
+                          "sinks"))
+
+    # -- probe and traces
+    if isinstance(probe, (dict, list)):
+        parts.append(_section("Hardware probe (hw_probe.json)", _probe_table(probe), "probe"))
+    traces = _trace_files(run_dir)
+    if traces:
+        items = "".join(f'<li><a href="{esc(rel, quote=True)}">{esc(rel)}</a> ({size / 1e6:.1f} MB)</li>'
+                        for rel, size in traces)
+        parts.append(_section("Traces", f"<ul>{items}</ul>" + _note(
+            "Open them in Perfetto (ui.perfetto.dev: drag the file in), or chrome://tracing."), "traces"))
+
+    page = (
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>holotrain report: {esc(name)}</title><style>{CSS}</style></head><body>"
+        f"<h1>holotrain report: {esc(name)}</h1><p class=\"sub\">{esc(str(run_dir))}</p>"
+        + "".join(parts)
+        + f'<pre id="render-check"></pre><script>{SCRIPT}</script></body></html>\n'
+    )
+    out = run_dir / "report.html"
+    tmp = run_dir / f".report.html.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out

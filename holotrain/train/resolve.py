@@ -1,0 +1,106 @@
+"""Config resolution, once, before anything is built: model presets, the corpus and tokenizer, the batch layout,
+and every "auto" value, agreed by all ranks. The result is a read-only config (Config.freeze) that every lever
+reads its own section of; nothing changes it afterwards, and it is what the run saves as config.toml."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
+from holotrain.memory.plan import choose_offload_ratio
+from holotrain.model import Llama, LlamaArgs
+from holotrain.parallel import DistEnv
+from holotrain.train.checkpoint import latest_checkpoint
+
+
+@dataclass(frozen=True)
+class Job:
+    """A resolved job: the frozen config and what resolution found out on the way."""
+
+    cfg: Config
+    micro: int  # sequences per rank per forward
+    accum: int  # micro-batches per optimizer step
+    tokenizer: object  # tokenizers.Tokenizer of the run
+    tokenizer_path: Path  # its tokenizer.json in the cache
+    resume_from: Path | None  # the checkpoint this run continues from
+
+
+def model_args(cfg: Config) -> LlamaArgs:
+    return LlamaArgs(**{f.name: getattr(cfg.model, f.name) for f in fields(LlamaArgs)})
+
+
+def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
+    """training.dtype with "auto" resolved: bf16 on a GPU, fp32 on the CPU."""
+    choice = cfg.training.dtype
+    if choice == "auto":
+        choice = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def data_parallel_size(cfg: Config, env: DistEnv) -> int:
+    return max(1, env.world_size // cfg.parallel.tp)
+
+
+def resolve_job(cfg: Config, env: DistEnv) -> Job:
+    """Resolves `cfg` in place for this run and freezes it. Collective: every rank calls it."""
+    from holotrain.data.corpus import cache_dir, prepare_tokenizer, stdlib_sources
+
+    resolve(cfg)  # everything but the vocabulary can be checked before the sources are read
+    d = cfg.data
+    # Rank 0 builds the embedded corpus and the tokenizer cache; the others then find them ready.
+    for turn in ("first", "rest"):
+        if (turn == "first") == env.is_main:
+            if not d.sources:
+                d.sources = stdlib_sources(cache_dir(d.cache_dir))
+            tokenizer, tokenizer_path = prepare_tokenizer(
+                d.sources, d.tokenizer, d.vocab_size, d.tokenizer_sample_mb, cache_dir(d.cache_dir)
+            )
+        if turn == "first" and env.world_size > 1:
+            dist.barrier()
+    resolve(cfg, tokenizer_vocab=tokenizer.get_vocab_size())
+    micro, accum = batch_layout(cfg, data_parallel_size(cfg, env))
+
+    resume_from = latest_checkpoint(cfg.run_dir)
+    if resume_from is not None and not cfg.checkpoint.resume:
+        raise ConfigError(
+            f"{cfg.run_dir} already holds checkpoints; set checkpoint.resume=true to continue it or choose another "
+            "job.run_dir"
+        )
+    resolve_levers(cfg, env, micro, accum, cfg.run_dir if resume_from is not None else None)
+    return Job(cfg.freeze(), micro, accum, tokenizer, tokenizer_path, resume_from)
+
+
+def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_run: Path | None = None) -> Config:
+    """The levers' "auto" values, in place (before freezing). Collective when any needs the ranks' agreement.
+
+    memory.offload_ratio = "auto": the smallest ratio the memory plan fits, agreed by all ranks (the largest of
+    their choices), or, when resuming, the run's own choice (the checkpoint's split of optimizer state between
+    GPU and host follows it)."""
+    mem = cfg.memory
+    if mem.offload_ratio != "auto":
+        return cfg
+    if not mem.offload:
+        mem.offload_ratio = 1.0  # unused
+        return cfg
+    if resumed_run is not None:
+        saved = load_config(resumed_run / "config.toml").memory.offload_ratio
+        if saved != "auto":
+            mem.offload_ratio = float(saved)
+            return cfg
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    ratio = choose_offload_ratio(model, cfg, env.world_size, env.device, micro, accum,
+                                 local_ranks=env.local_world_size)
+    if env.world_size > 1:
+        agreed = torch.tensor([ratio], dtype=torch.float64, device=env.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        ratio = float(agreed.item())
+    mem.offload_ratio = ratio
+    if env.is_main:
+        print(f"holotrain: memory.offload_ratio = auto -> {ratio:g} (the smallest share of the optimizer on the CPU "
+              "that the memory plan fits)")
+    return cfg

@@ -1,0 +1,148 @@
+"""The package's shape: no import cycle among holotrain modules (imports inside functions included), no module over
+600 lines, no C or C++ source inside a Python string, and the shipped files in the wheel."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "holotrain"
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the holotrain modules its import statements (anywhere in the file) load, including the packages
+    whose __init__ runs on the way (but not the module's own enclosing packages, which are loading already)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in modules else base)
+        own = set(_ancestors(name))
+        for target in targets:
+            if target not in modules or target == name:
+                continue
+            graph[name].update(m for m in [*_ancestors(target), target] if m in modules and m not in own and m != name)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles among holotrain modules: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_is_too_long():
+    long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+_C_SOURCE = re.compile(r"#include\s*[<\"]|__global__\s+void|extern\s+\"C\"|PYBIND11_MODULE")
+
+
+def test_no_c_source_in_python_strings():
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _C_SOURCE.search(node.value):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, f"C/C++ source inside Python strings (put it in a source file): {found}"
+
+
+@pytest.mark.slow
+def test_wheel_ships_configs_and_native_sources(tmp_path):
+    """A non-editable install has the shipped configs (found by name) and the C++ source the offload engine builds."""
+    source = tmp_path / "src"  # a clean copy: a build/ folder left in the checkout could leak stale files in
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "build", "runs", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(source)], check=True, capture_output=True, timeout=600)
+    wheel = next(tmp_path.glob("holotrain-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {Path(n).stem for n in names if n.startswith("holotrain/configs/") and n.endswith(".toml")}
+    assert {"tiny", "125m", "1.4b", "1.4b-tp2", "offload"} <= shipped
+    assert any(n.startswith("holotrain/memory/offload/csrc/") and n.endswith(".cpp") for n in names)
+    for path in REPO.joinpath("holotrain/configs").glob("*.toml"):
+        assert f"holotrain/configs/{path.name}" in names
+
+
+def test_config_by_name_finds_a_shipped_config(tmp_path, monkeypatch):
+    from holotrain.config import ConfigError, load_config
+
+    monkeypatch.chdir(tmp_path)  # not the repository: the name must resolve inside the package
+    assert load_config("1.4b").model.preset == "1.4b"
+    assert load_config("offload.toml").memory.offload is True
+    with pytest.raises(ConfigError, match="shipped configs"):
+        load_config("no-such-config")
