@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from holotrain.config import ConfigError, load_config
+from holotrain.errors import TrainingStopped
 
 USAGE = """usage:
   holotrain train [--config FILE.toml | NAME] [--section.key=value ...]
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"holotrain: error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"holotrain: stopped: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

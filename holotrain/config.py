@@ -99,13 +99,18 @@ class TrainingConfig(_Section):
     # data plane carry document ids and always use flex attention with a document mask.
     attention: str = "auto"
     log_every: int = 10
+    # A step whose loss or gradient norm is not finite is skipped (weights and optimizer state untouched) and
+    # counted (train.nonfinite_steps); this many in a row stop the run with exit code 3 (checked at logged steps).
+    max_nonfinite_steps: int = 20
 
 
 @dataclass
 class CheckpointConfig(_Section):
     every: int = 50  # steps between checkpoints; 0 = only the final one
     keep: int = 2  # newest checkpoints kept
-    resume: bool = True  # continue from the newest checkpoint in the run directory
+    resume: bool = True  # continue from the newest intact checkpoint in the run directory
+    # Write checkpoints in the background: training blocks only while the state is copied to host memory.
+    async_save: bool = True
     save_final: bool = True
 
 
@@ -434,6 +439,7 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(t.dtype in ("auto", "bf16", "fp32"), f"training.dtype must be auto, bf16 or fp32, got {t.dtype!r}")
     need(t.attention in ("auto", "cudnn", "flash"), f"training.attention must be auto, cudnn or flash, got {t.attention!r}")
     need(t.log_every > 0, f"training.log_every must be positive, got {t.log_every}")
+    need(t.max_nonfinite_steps > 0, f"training.max_nonfinite_steps must be positive, got {t.max_nonfinite_steps}")
     need(cfg.job.device in ("auto", "cpu", "cuda"), f"job.device must be auto, cpu or cuda, got {cfg.job.device!r}")
     c = cfg.checkpoint
     need(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")

@@ -104,3 +104,18 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path, args, key):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert key in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_resolved_config_is_read_only():
+    import dataclasses
+
+    cfg = resolve(load_config(), tokenizer_vocab=4000).freeze()
+    assert cfg.frozen
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.memory.offload = True
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.training = None
+    changed = dataclasses.replace(cfg.memory, offload=True)  # what-if copies stay possible
+    assert changed.offload and not cfg.memory.offload
+    changed.offload_ratio = 0.5  # a copy is not frozen
+    assert "[memory]" in cfg.to_toml()

@@ -1,6 +1,7 @@
 """End-to-end training through the CLI: metrics, checkpoints, exact resume after SIGKILL, crash during save, export."""
 
 import json
+import math
 import os
 import pickle
 import random
@@ -179,3 +180,60 @@ def test_phase_clock_cpu():
     out = clock.collect(steps=2)
     assert 0.009 < out["time.work"] < 0.05 and out["time.wait"] == 0.25
     assert clock.collect(steps=1) == {}
+
+
+def test_diverging_run_skips_non_finite_steps_then_stops_with_exit_3(tmp_path):
+    """lr = 1e6 sends the weights to inf at once: every later step has a non-finite gradient norm. Each is skipped
+    and counted, and max_nonfinite_steps in a row stop the run with exit code 3 and one line, no traceback."""
+    run_dir = tmp_path / "run"
+    args = tiny_args(run_dir, **{"training.lr": 1e6, "training.warmup_steps": 0, "training.steps": 40,
+                                 "training.max_nonfinite_steps": 5, "checkpoint.every": 0})
+    proc = run_cli("train", *args, check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "consecutive steps" in proc.stderr and "Traceback" not in proc.stderr
+    assert "were skipped" in proc.stdout
+    rows = read_metrics(run_dir)
+    assert rows[-1]["step"] < 40 and rows[-1]["train.nonfinite_steps"] >= 5
+    assert rows[-1]["grad_norm"] is None or not math.isfinite(rows[-1]["grad_norm"])  # NaN is logged as null
+
+
+@pytest.mark.parametrize("how", ["truncated shard", "truncated metadata, no manifest"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(reference_run, tmp_path, how):
+    """A truncated file in the newest checkpoint (caught by its manifest, or, in a checkpoint without one, when its
+    metadata fails to load) is reported in one line and the previous checkpoint is used: the run still matches an
+    uninterrupted one exactly."""
+    run_dir = tmp_path / "damaged"
+    args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2})]
+    sigkill_after(args, run_dir, 21)
+    newest = latest_checkpoint(run_dir)
+    if how == "truncated shard":
+        victim = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    else:
+        (newest / "manifest.json").unlink()
+        victim = newest / ".metadata"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    proc = run_cli(*args)
+    assert f"checkpoint {newest} is damaged" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    assert losses(run_dir) == losses(reference_run)
+
+
+def test_no_intact_checkpoint_is_one_clear_error(tmp_path):
+    run_dir = tmp_path / "all-damaged"
+    args = ["train", *tiny_args(run_dir, **{"training.steps": 4, "checkpoint.every": 2})]
+    run_cli(*args)
+    for ckpt in (run_dir / "checkpoints").iterdir():
+        (ckpt / ".metadata").write_bytes(b"")
+    proc = run_cli("train", *tiny_args(run_dir, **{"training.steps": 6, "checkpoint.every": 2}), check=False)
+    assert proc.returncode == 2 and "no intact checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_checkpoints_are_written_in_the_background_and_timed(reference_run, tmp_path):
+    """The reference run saves every 2 steps in the background: its rows carry the blocking part (time.checkpoint)
+    and the finished writes (checkpoint.write_s). A blocking run (checkpoint.async_save = false) trains the same."""
+    rows = read_metrics(reference_run)
+    assert any(r["time.checkpoint"] > 0 for r in rows)
+    assert sum(r["checkpoint.write_s"] or 0 for r in rows) > 0
+    run_dir = tmp_path / "blocking"
+    run_cli("train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2, "checkpoint.async_save": False}))
+    assert losses(run_dir) == losses(reference_run)
+    assert latest_checkpoint(run_dir).name == "step-40"

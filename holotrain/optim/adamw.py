@@ -106,8 +106,12 @@ class DeviceAdamW:
                 grad_norm = torch.nn.utils.get_total_norm(grads)
                 step_clipped(self.optimizer, grad_norm, self.hyper.clip)
             else:
+                # DTensor gradients (FSDP2): a non-finite norm would turn every gradient into NaN through the clip
+                # coefficient, so the host reads the norm (one synchronization per step) and skips the step.
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hyper.clip)
-                self.optimizer.step()
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                if math.isfinite(grad_norm.item()):
+                    self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 

@@ -1,10 +1,12 @@
 """Distributed checkpoints (torch.distributed.checkpoint), written atomically, loaded without arbitrary pickle.
 
-Layout: RUN_DIR/checkpoints/step-N/ holds the DCP shards of model + optimizer + RNG and
-`trainer_state.json` (step, data position). A checkpoint is written into `.tmp-step-N/` and renamed
-into place only after every rank has finished and every file is synced, so a crash mid-save leaves
-the previous checkpoint as the newest complete one. Loading reads DCP's metadata through an unpickler
-that admits only DCP's own metadata classes, and tensors with `torch.load(weights_only=True)`.
+Layout: RUN_DIR/checkpoints/step-N/ holds the DCP shards of model + optimizer + RNG, `manifest.json` (every
+file's size) and `trainer_state.json` (step). A checkpoint is written into `.tmp-step-N/` and renamed into place
+only after every rank has finished and every file is synced, so a crash mid-save leaves the previous checkpoint
+as the newest complete one; one damaged later (a truncated or missing file) is detected against the manifest or
+when it fails to load, and the previous one is used. Loading reads DCP's metadata through an unpickler that
+admits only DCP's own metadata classes, and tensors with `torch.load(weights_only=True)`. Writing in the
+background, while training goes on, is train/checkpointer.py's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import pickle
 import re
@@ -23,10 +26,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from holotrain.errors import ConfigError
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"  # every file's size, to tell a complete checkpoint from a truncated one
 
 # Everything DCP's .metadata file may name; anything else is refused.
 _SAFE_GLOBALS = {
@@ -80,9 +87,9 @@ def _is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if _is_dist():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _rank() -> int:
@@ -121,54 +128,132 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(
-    run_dir: Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict, keep: int,
-    extra_files: dict[str, str] | None = None,
-) -> Path:
-    """Collective: every rank calls it. `optimizer` (holotrain.optim.StepOptimizer) gives the training state, model
-    included, keyed by parameter name. `extra_files` (name -> text, given on rank 0) are written into the
-    checkpoint before it is published. Returns the final checkpoint directory."""
+def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict, keep: int,
+                     extra_files: dict[str, str] | None = None, group: dist.ProcessGroup | None = None) -> Path:
+    """Collective over `group` (default: the default group): writes `state` (tensors DCP can save: on the device,
+    or a host snapshot of them) as RUN_DIR/checkpoints/step-N atomically. `extra_files` (name -> text, given on
+    rank 0) are written into the checkpoint before it is published; then a manifest of every file's size, then
+    trainer_state.json, whose presence marks a complete checkpoint. Returns the final checkpoint directory."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
-    if _rank() == 0:
+    rank = dist.get_rank(group) if _is_dist() else 0
+    if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     with _quiet_single_process():
-        dcp.save({**optimizer.state_dict(), "rng": _rng_state()}, checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp, process_group=group)
     _maybe_inject_fault(step)
-    if _rank() == 0:
-        # trainer_state.json goes last: its presence marks a checkpoint whose files are all written.
-        for name, text in [*(extra_files or {}).items(), (TRAINER_STATE, json.dumps(trainer_state))]:
-            with open(tmp / name, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
+    if rank == 0:
+        for name, text in (extra_files or {}).items():
+            _write_synced(tmp / name, text)
+        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        _write_synced(tmp / MANIFEST, json.dumps(sizes))
+        _write_synced(tmp / TRAINER_STATE, json.dumps(trainer_state))  # last: marks the checkpoint complete
         _fsync_dir(tmp)
-    _barrier()
-    if _rank() == 0:
+    _barrier(group)
+    if rank == 0:
         os.rename(tmp, final)
         _fsync_dir(root)
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in root.glob(".tmp-step-*"):
             shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
+
+
+def save_checkpoint(run_dir: Path, step: int, optimizer, trainer_state: dict, keep: int,
+                    extra_files: dict[str, str] | None = None) -> Path:
+    """Collective, blocking: the training state of `optimizer` (holotrain.optim.StepOptimizer: model included,
+    keyed by parameter name) and the RNG, written where they are."""
+    return write_checkpoint(run_dir, step, training_state(optimizer), trainer_state, keep, extra_files)
+
+
+def training_state(optimizer) -> dict:
+    """What a checkpoint holds: the optimizer's state dict (model included) and the RNG states."""
+    return {**optimizer.state_dict(), "rng": _rng_state()}
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be used (a missing or truncated file, against its manifest), or None.
+    Checkpoints without a manifest are only checked for their metadata file; loading finds the rest."""
+    path = Path(path)
+    try:
+        json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, ValueError) as e:
+        return f"{TRAINER_STATE} unreadable ({e.__class__.__name__})"
+    if not (path / ".metadata").is_file():
+        return "no .metadata file"
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        sizes = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return f"{MANIFEST} unreadable"
+    for name, size in sizes.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
+class _DropLoaderTracebacks(logging.Filter):
+    """DCP's loader logs a traceback to the root logger when a checkpoint's metadata does not load, before it
+    raises; the caller reports a damaged checkpoint in one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.pathname.endswith(os.path.join("checkpoint", "state_dict_loader.py"))
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
     """Collective. Restores model, optimizer and RNG in place; returns the trainer state."""
-    state = {**optimizer.state_dict(), "rng": _rng_state()}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path))
+    state = training_state(optimizer)
+    quiet = _DropLoaderTracebacks()
+    logging.getLogger().addFilter(quiet)
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path))
+    finally:
+        logging.getLogger().removeFilter(quiet)
     optimizer.load_state_dict(state)
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"])
     return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def load_latest(run_dir: Path, model: torch.nn.Module, optimizer) -> tuple[Path, dict] | None:
+    """Collective. Loads the newest intact checkpoint of the run, newest first: a damaged one (a file missing or
+    truncated, metadata that does not load) is reported in one line and the previous one is tried. Returns its
+    path and trainer state, None when the run has no checkpoint; ConfigError when none is intact."""
+    failed = []
+    for _, path in reversed(list_checkpoints(run_dir)):
+        reason = damage(path)
+        if reason is None:
+            try:
+                return path, load_checkpoint(path, model, optimizer)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failure to read it makes it unusable
+                reason = f"{e.__class__.__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        failed.append(f"{path.name} ({reason})")
+        if _rank() == 0:
+            print(f"holotrain: warning: checkpoint {path} is damaged ({reason}); trying the previous one", flush=True)
+    if failed:
+        raise ConfigError(f"no intact checkpoint in {Path(run_dir) / 'checkpoints'}: {'; '.join(failed)}. Remove "
+                          "them to start over, or choose another job.run_dir")
+    return None
 
 
 def load_model_weights(path: Path, model: torch.nn.Module) -> None:

@@ -4,14 +4,18 @@ data (data.lever), parallel (parallel.lever), memory (memory), optimizer (optim,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from holotrain.config import Config, batch_layout
+from holotrain.errors import TrainingStopped
 from holotrain.data.lever import Layout
 from holotrain.data.lever import build as build_data
 from holotrain.hw import peak_bf16_flops
@@ -25,7 +29,8 @@ from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
 from holotrain.parallel.lever import build as build_parallel
 from holotrain.profile.lever import build as build_profiler
-from holotrain.train.checkpoint import load_checkpoint, save_checkpoint
+from holotrain.train.checkpoint import load_latest
+from holotrain.train.checkpointer import Checkpointer
 from holotrain.train.resolve import compute_dtype_for, data_parallel_size, model_args, resolve_job
 from holotrain.train.step import TrainStep, lr_at
 
@@ -79,9 +84,34 @@ def train(cfg: Config) -> list[dict]:
     """Runs (or resumes) the job described by cfg. Returns the rows logged by this call (rank 0)."""
     env = init_distributed(cfg.job.device)
     try:
-        return _train(cfg, env)
+        with _sigterm_as_exit():
+            return _train(cfg, env)
     finally:
         destroy_distributed()
+
+
+class _Terminated(SystemExit):
+    pass
+
+
+def _sigterm_as_exit():
+    """SIGTERM (torchrun stopping its workers, a scheduler's preemption) unwinds the run like an error, so that a
+    checkpoint being written in the background is finished and the data plane is stopped. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return contextlib.nullcontext()
+
+    def handler(signum, frame):
+        raise _Terminated(128 + signum)
+
+    @contextlib.contextmanager
+    def installed():
+        previous = signal.signal(signal.SIGTERM, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return installed()
 
 
 def _train(cfg: Config, env: DistEnv) -> list[dict]:
@@ -100,11 +130,14 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     model = build_model(cfg, env, dtype, memory, build_parallel(cfg.parallel, env))
     optimizer = memory.optimizer(model, AdamWHyper.from_section(cfg.training), cfg.training.lr, dtype,
                                  profiler.clock)
+    checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
     try:
         start_step, data_state = 0, None
-        if job.resume_from is not None:
-            start_step = load_checkpoint(job.resume_from, model, optimizer)["step"]
-            data_state = json.loads((job.resume_from / DATA_STATE).read_text())
+        resumed = load_latest(run_dir, model, optimizer) if job.resume_from is not None else None
+        if resumed is not None:
+            path, trainer_state = resumed
+            start_step = trainer_state["step"]
+            data_state = json.loads((path / DATA_STATE).read_text())
         if start_step >= cfg.training.steps:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
@@ -112,10 +145,13 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
         layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.parallel.tp, cfg.job.seed)
         data = build_data(cfg.data, env, run_dir, job.tokenizer, layout, data_state, start_step)
         try:
-            rows = _loop(cfg, env, model, optimizer, data, profiler, start_step, job.micro, job.accum, dtype)
+            rows = _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, job.micro, job.accum,
+                         dtype)
         finally:
+            checkpointer.close()  # the last save's write completes before the data plane and the optimizer go
             data.close()
     finally:
+        checkpointer.close()
         optimizer.close()
         profiler.close()
     report = profiler.write_report()
@@ -124,7 +160,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     return rows
 
 
-def _loop(cfg, env, model, optimizer, data, profiler, start_step, micro, accum, dtype) -> list[dict]:
+def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, micro, accum, dtype) -> list[dict]:
     logger = profiler.logger(cfg.training.steps, start_step)
     if env.is_main:
         print(
@@ -136,7 +172,7 @@ def _loop(cfg, env, model, optimizer, data, profiler, start_step, micro, accum, 
     hardware = build_hardware(cfg.hw, env, cfg.run_dir)
     try:
         hardware.start()
-        return _steps(cfg, env, data, train_step, profiler, hardware, logger, start_step, accum)
+        return _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum)
     finally:
         hardware.close()
         if logger is not None:
@@ -158,16 +194,21 @@ def _global_mean(value: torch.Tensor, env: DistEnv) -> float:
     return value.item()
 
 
-def _steps(cfg, env, data, train_step, profiler, hardware, logger, start_step, accum) -> list[dict]:
+def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum) -> list[dict]:
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(model_args(cfg), cfg.data.seq_len) * tokens_per_step / env.world_size
     peak = peak_bf16_flops(env.device)
     log_every = cfg.training.log_every
     rows: list[dict] = []
-    model, optimizer = train_step.model, train_step.optimizer
+    optimizer = train_step.optimizer
     cuda = env.device.type == "cuda"
 
     loss_sum = torch.zeros((), device=env.device)
+    # Steps skipped for a non-finite gradient norm (the optimizer leaves weights and state untouched), counted on
+    # the device so that no step waits for the host; read at logged steps and before a save.
+    nonfinite = torch.zeros((), dtype=torch.int64, device=env.device)  # since this process started
+    nonfinite_run = torch.zeros((), dtype=torch.int64, device=env.device)  # consecutive, up to the last step
+    nonfinite_logged = 0
     interval_start = time.perf_counter()
     interval_steps = 0
     if cuda:
@@ -184,10 +225,13 @@ def _steps(cfg, env, data, train_step, profiler, hardware, logger, start_step, a
         profiler.after(done)
         loss_sum += loss
         interval_steps += 1
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        bad = (~torch.isfinite(grad_norm)).long()
+        nonfinite += bad
+        nonfinite_run.add_(bad).mul_(bad)
 
         if done % log_every == 0 or done == cfg.training.steps:
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
             loss_value = _global_mean(loss_sum, env) / interval_steps
             gn = grad_norm.item()  # synchronizes the device: the interval's time is now complete
             elapsed = time.perf_counter() - interval_start
@@ -205,6 +249,7 @@ def _steps(cfg, env, data, train_step, profiler, hardware, logger, start_step, a
                 "step_s": step_s,
                 # time.data_wait, time.forward, time.backward, time.optimizer (+ levers' own phases)
                 **profiler.metrics(interval_steps),
+                **checkpointer.metrics(interval_steps),  # time.checkpoint (blocking), checkpoint.write_s
                 **optimizer.metrics(interval_steps),  # offload.* (memory.offload)
                 "mem.peak_gb": torch.cuda.max_memory_allocated(env.device) / 1e9 if cuda else None,
                 "mem.reserved_gb": torch.cuda.max_memory_reserved(env.device) / 1e9 if cuda else None,
@@ -213,19 +258,35 @@ def _steps(cfg, env, data, train_step, profiler, hardware, logger, start_step, a
                 "wall_time": time.time(),
                 "tokens": done * tokens_per_step,
                 **data.metrics(interval_steps),  # data.*
+                "train.nonfinite_steps": int(nonfinite.item()),
             }
             if logger is not None:
                 logger.log(row)
                 rows.append(row)
+            skipped, run = row["train.nonfinite_steps"] - nonfinite_logged, int(nonfinite_run.item())
+            nonfinite_logged = row["train.nonfinite_steps"]
+            if skipped and env.is_main:
+                print(f"holotrain: warning: {skipped} of the last {interval_steps} steps had a non-finite gradient "
+                      "norm and were skipped (weights and optimizer state unchanged)", flush=True)
+            if run >= cfg.training.max_nonfinite_steps:
+                raise TrainingStopped(
+                    f"{run} consecutive steps (up to step {done}) had a non-finite gradient norm "
+                    f"(training.max_nonfinite_steps = {cfg.training.max_nonfinite_steps}); the last good checkpoint "
+                    f"is kept in {cfg.run_dir / 'checkpoints'}. Lower training.lr or check the data."
+                )
             loss_sum.zero_()
             interval_steps = 0
             interval_start = time.perf_counter()
 
         every = cfg.checkpoint.every
         if (every and done % every == 0) or (done == cfg.training.steps and cfg.checkpoint.save_final):
+            if int(nonfinite_run.item()):
+                # The weights are those of the last good step; a checkpoint now would only push good ones out.
+                if env.is_main:
+                    print(f"holotrain: warning: no checkpoint at step {done}: the last steps were skipped as "
+                          "non-finite", flush=True)
+                continue
             data_state = data.state(done)
-            save_checkpoint(
-                cfg.run_dir, done, model, optimizer, {"step": done, "world_size": env.world_size},
-                keep=cfg.checkpoint.keep, extra_files={DATA_STATE: json.dumps(data_state)} if env.is_main else None,
-            )
+            checkpointer.save(done, optimizer, {"step": done, "world_size": env.world_size},
+                              extra_files={DATA_STATE: json.dumps(data_state)} if env.is_main else None)
     return rows
