@@ -30,16 +30,28 @@ class Checkpointer:
         self.background = section.async_save
         # Collective: every rank makes the group at the same point.
         self.group = dist.new_group(backend="gloo") if self.background and env.world_size > 1 else None
-        self.snapshot = HostSnapshot(pin=env.device.type == "cuda")
+        self.snapshot = HostSnapshot(env.device)
         self._thread: threading.Thread | None = None
+        self._allocating: threading.Thread | None = None
         self._error: BaseException | None = None
         self._blocking_s = 0.0
         self._write_s: list[float] = []
         self._lock = threading.Lock()
 
+    def prepare(self, optimizer) -> None:
+        """Allocates the pinned host buffers in the background, once the optimizer's state exists (after the first
+        step): pinning tens of GB takes seconds, which the first save would otherwise block for."""
+        if self.background and self.snapshot.pin and self._allocating is None:
+            layout = self.snapshot.layout(training_state(optimizer))
+            self._allocating = threading.Thread(target=self.snapshot.allocate, args=(layout,),
+                                                name="holotrain-checkpoint-buffers")
+            self._allocating.start()
+
     def save(self, step: int, optimizer, trainer_state: dict, extra_files: dict[str, str] | None = None) -> None:
         """Collective. Returns once the state is copied (background) or written (checkpoint.async_save = false)."""
         t0 = time.perf_counter()
+        if self._allocating is not None:
+            self._allocating.join()
         self.wait()
         state = training_state(optimizer)
         if not self.background:
@@ -70,6 +82,8 @@ class Checkpointer:
         return {"time.checkpoint": blocking / max(1, steps), "checkpoint.write_s": sum(written) if written else None}
 
     def close(self) -> None:
+        if self._allocating is not None:
+            self._allocating.join()
         self.wait()
         if self.group is not None:
             dist.destroy_process_group(self.group)
@@ -97,9 +111,35 @@ class HostSnapshot:
     host DTensors); host tensors (the offload engine's masters and moments) are copied too, since training goes
     on updating them while the copy is written."""
 
-    def __init__(self, pin: bool):
-        self.pin = pin
+    def __init__(self, device: torch.device):
+        self.device, self.pin = device, device.type == "cuda"
         self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def layout(self, state: dict) -> dict[tuple, tuple[torch.Size, torch.dtype]]:
+        """The shape and dtype of every tensor of `state` (a DTensor's local shard), by path."""
+        out = {}
+
+        def visit(obj, path):
+            if isinstance(obj, torch.Tensor):
+                t = obj.to_local() if isinstance(obj, DTensor) else obj
+                out[path] = (t.shape, t.dtype)
+            elif isinstance(obj, dict):
+                for k, v in obj.items():
+                    visit(v, (*path, k))
+            elif isinstance(obj, (list, tuple)):
+                for i, v in enumerate(obj):
+                    visit(v, (*path, i))
+
+        visit(state, ())
+        return out
+
+    def allocate(self, layout: dict[tuple, tuple[torch.Size, torch.dtype]]) -> None:
+        """Allocates the buffers (in a thread of its own: on this rank's device, not the default one)."""
+        if self.pin:
+            torch.cuda.set_device(self.device)
+        for path, (shape, dtype) in layout.items():
+            if path not in self._buffers:
+                self._buffers[path] = self._empty(shape, dtype)
 
     def take(self, state: dict) -> dict:
         copied = self._copy(state, ())
@@ -123,7 +163,9 @@ class HostSnapshot:
     def _tensor(self, t: torch.Tensor, path: tuple) -> torch.Tensor:
         buf = self._buffers.get(path)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin and t.numel() > 0)
-            self._buffers[path] = buf
+            buf = self._buffers[path] = self._empty(t.shape, t.dtype)
         buf.copy_(t.detach(), non_blocking=self.pin)
         return buf
+
+    def _empty(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin and shape.numel() > 0)

@@ -222,6 +222,8 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
         micro_batches, waited = data.next(done)
         profiler.add("data_wait", waited)
         loss, grad_norm = train_step(micro_batches.__getitem__, accum, lr)
+        if step == start_step and (cfg.checkpoint.every or cfg.checkpoint.save_final):
+            checkpointer.prepare(optimizer)  # the optimizer's state exists now
         profiler.after(done)
         loss_sum += loss
         interval_steps += 1
