@@ -56,11 +56,13 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def sigkill_after(args: list[str], run_dir, kill_after: int) -> int:
-    """Runs `holotrain <args>` and SIGKILLs it once metrics.jsonl holds `kill_after` rows; returns the rows logged."""
+def sigkill_after(args: list[str], run_dir, kill_after: int, sig=None) -> int:
+    """Runs `holotrain <args>` and SIGKILLs it (or sends `sig`) once metrics.jsonl holds `kill_after` rows; returns
+    the rows logged."""
     import signal
     import time
 
+    sig = signal.SIGKILL if sig is None else sig
     proc = subprocess.Popen(
         [sys.executable, "-m", "holotrain.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -68,9 +70,11 @@ def sigkill_after(args: list[str], run_dir, kill_after: int) -> int:
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after:
-            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(sig)
             break
         time.sleep(0.002)
     proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"run ended before the kill at step {kill_after}"
+    # SIGTERM unwinds the run (the checkpoint writer finishes), then exits with 128 + 15.
+    expected = -signal.SIGKILL if sig == signal.SIGKILL else 128 + sig
+    assert proc.returncode == expected, f"run ended with {proc.returncode}, not by the signal at step {kill_after}"
     return len(read_metrics(run_dir))

@@ -237,3 +237,15 @@ def test_checkpoints_are_written_in_the_background_and_timed(reference_run, tmp_
     run_cli("train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2, "checkpoint.async_save": False}))
     assert losses(run_dir) == losses(reference_run)
     assert latest_checkpoint(run_dir).name == "step-40"
+
+
+def test_sigterm_finishes_the_checkpoint_being_written(reference_run, tmp_path):
+    """SIGTERM (torchrun or a scheduler stopping the job) unwinds the run: the checkpoint being written in the
+    background is completed, nothing half-written is left, and the run resumes exactly."""
+    run_dir = tmp_path / "terminated"
+    args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2})]
+    stopped_at = sigkill_after(args, run_dir, random.Random().randint(6, 30), sig=signal.SIGTERM)
+    assert stopped_at < 40
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    run_cli(*args)
+    assert losses(run_dir) == losses(reference_run), f"terminated after step {stopped_at}"
