@@ -321,3 +321,44 @@ def test_bad_record_inside_the_plane_is_one_clear_error(tmp_path, backend):
                    "data.backend": backend}), check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "no column 'text'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_killed_plane_is_restarted_with_identical_samples(tmp_path):
+    """SIGKILL of the data plane's service process mid-run: the trainer's client starts a new plane from the state
+    of the last step training took, and the run's samples and losses are those of an uninterrupted run."""
+    import signal as _signal
+    import subprocess as _subprocess
+    import sys as _sys
+    import time as _time
+
+    import psutil
+
+    from tests.conftest import REPO, read_metrics, run_cli, tiny_args
+
+    def run_args(run_dir):
+        return ["train", *tiny_args(run_dir, **{"training.steps": 24, "checkpoint.every": 0,
+                                                "data.log_samples": True})]
+
+    reference = tmp_path / "reference"
+    run_cli(*run_args(reference))
+    run_dir = tmp_path / "plane-killed"
+    proc = _subprocess.Popen([_sys.executable, "-m", "holotrain.cli", *run_args(run_dir)], cwd=REPO,
+                             stdout=_subprocess.PIPE, stderr=_subprocess.PIPE, text=True)
+    metrics, killed = run_dir / "metrics.jsonl", None
+    deadline = _time.time() + 300
+    while killed is None and _time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 8:
+            # The plane is the trainer's child process whose own children are the loaders.
+            planes = [c for c in psutil.Process(proc.pid).children() if c.children()]
+            assert len(planes) == 1, planes
+            planes[0].send_signal(_signal.SIGKILL)
+            killed = len(metrics.read_text().splitlines())
+        _time.sleep(0.005)
+    out, err = proc.communicate(timeout=300)
+    assert killed is not None and killed < 24, "the run ended before the plane was killed"
+    assert proc.returncode == 0, out + err
+    assert "restarting it from step" in out
+    rows, ref = read_metrics(run_dir), read_metrics(reference)
+    assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in ref]
+    assert rows[-1]["data.plane_restarts"] == 1
+    assert (run_dir / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()

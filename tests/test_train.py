@@ -249,3 +249,18 @@ def test_sigterm_finishes_the_checkpoint_being_written(reference_run, tmp_path):
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
     run_cli(*args)
     assert losses(run_dir) == losses(reference_run), f"terminated after step {stopped_at}"
+
+
+def test_goodput_accounts_for_the_whole_process(reference_run):
+    """goodput.json splits the process's wall time into start-up, recovery, training, checkpoint blocking, data
+    waits and the rest; the parts add up to the wall time, and goodput is the run's tokens over it. The last
+    metrics row carries the same account up to the last step; the report shows it."""
+    g = json.loads((reference_run / "goodput.json").read_text())
+    parts = [g[f"goodput.{k}_s"] for k in ("startup", "recovery", "train", "checkpoint", "data_wait", "other")]
+    assert all(p >= 0 for p in parts) and g["goodput.train_s"] > 0 and g["goodput.startup_s"] > 0
+    assert abs(sum(parts) - g["goodput.wall_s"]) < 1e-6 * max(1.0, g["goodput.wall_s"]) + 1e-6
+    tokens = 40 * 8 * 32  # steps x batch x seq_len
+    assert g["goodput"] == pytest.approx(tokens / g["goodput.wall_s"])
+    last = read_metrics(reference_run)[-1]
+    assert last["goodput"] > 0 and last["goodput.wall_s"] <= g["goodput.wall_s"]
+    assert 'id="goodput"' in (reference_run / "report.html").read_text()

@@ -52,13 +52,24 @@ def _connect(address: str, authkey: bytes, timeout: float = 300.0):
             time.sleep(0.05)
 
 
+RECONNECT_S = 120.0  # how long a rank waits for a restarted plane
+MAX_PLANE_RESTARTS = 5
+
+
 class DataClient:
     """Yields, per optimizer step, this rank's micro-batches as (inputs, targets, doc_ids) on the device."""
 
     def __init__(self, address: str, authkey: bytes, rank: int, start_step: int, device: torch.device,
-                 plane: mp.Process | None = None, depth: int = 2):
+                 plane: mp.Process | None = None, depth: int = 2, restart=None, plane_state: dict | None = None):
+        """`restart(state) -> process` (the plane's owner, local rank 0): starts a new plane from a plane state when
+        this one dies; `plane_state` is the state the current plane started from."""
         self.rank, self.device, self.plane = rank, device, plane
-        self.address = address
+        self.address, self.authkey = address, authkey
+        self.restart = restart
+        self.restarts = 0
+        # Owner: plane states by resume position (the next step to produce), kept for the last few steps.
+        self._states: dict[int, dict | None] = {start_step: plane_state}
+        self._handed = start_step  # steps handed to training so far
         self._batches = _connect(address, authkey)
         self._control = _connect(address, authkey)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -84,7 +95,17 @@ class DataClient:
     def _prefetch(self, step: int) -> None:
         try:
             while not self._stop.is_set():
-                reply = self._request(self._batches, ("batch", step, self.rank))
+                try:
+                    reply = self._request(self._batches, ("batch", step, self.rank, self.restart is not None))
+                except (EOFError, OSError):
+                    if self._stop.is_set():
+                        return
+                    self._recover()
+                    continue
+                if "state" in reply:
+                    self._states[step + 1] = reply.pop("state")
+                    for old in [k for k in self._states if k < self._handed - 2]:
+                        del self._states[old]
                 shm = shared_memory.SharedMemory(name=reply["shm"])
                 # One copy out of shared memory, straight into pinned memory when a GPU will take it.
                 host = torch.empty(tuple(reply["shape"]), dtype=torch.int32, pin_memory=self._stream is not None)
@@ -99,7 +120,7 @@ class DataClient:
                         event.record(self._stream)
                 else:
                     dev = host.long()
-                self._put((dev, event, reply["stats"], reply["samples"]))
+                self._put((dev, event, reply["stats"], reply["samples"], step))
                 step += 1
         except BaseException as e:  # handed to the training loop, which raises it
             self._put(e)
@@ -120,12 +141,12 @@ class DataClient:
                 item = self._queue.get(timeout=1.0)
                 break
             except queue.Empty:
-                if self.plane is not None and not self.plane.is_alive():
-                    raise RuntimeError(f"the data plane process exited with code {self.plane.exitcode}")
+                continue  # a dead plane is noticed, and restarted, by the prefetch thread
         waited = time.perf_counter() - t0
         if isinstance(item, BaseException):
             raise item
-        batch, event, self.stats, self.samples = item
+        batch, event, self.stats, self.samples, step = item
+        self._handed = step + 1
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
             batch.record_stream(torch.cuda.current_stream(self.device))
@@ -134,7 +155,36 @@ class DataClient:
 
     def state(self, steps_done: int) -> dict | None:
         """The plane's state after `steps_done` steps, for a checkpoint."""
-        return self._request(self._control, ("state", steps_done))
+        deadline = time.monotonic() + RECONNECT_S
+        while True:
+            try:
+                return self._request(self._control, ("state", steps_done))
+            except (EOFError, OSError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)  # the plane died: the prefetch thread restarts it and reconnects
+
+    def _recover(self) -> None:
+        """The plane's connection broke. Its owner starts a new plane from the state of the earliest step a local
+        rank may still ask for (the step training has last taken: another rank can be one step behind), which
+        produces the same batches the old one would have; every rank then reconnects and asks again."""
+        if self.restart is not None:
+            self.restarts += 1
+            if self.restarts > MAX_PLANE_RESTARTS:
+                raise RuntimeError(f"the data plane died {self.restarts} times; giving up")
+            if self.plane is not None and self.plane.is_alive():
+                self.plane.terminate()
+            if self.plane is not None:
+                self.plane.join(timeout=10)
+            position = max(k for k in self._states if k <= max(min(self._states), self._handed - 1))
+            code = self.plane.exitcode if self.plane is not None else None
+            print(f"holotrain: warning: the data plane exited (code {code}); restarting it from step {position}",
+                  flush=True)
+            self.plane = self.restart(self._states[position])
+        for conn in (self._batches, self._control):
+            conn.close()
+        self._batches = _connect(self.address, self.authkey, RECONNECT_S)
+        self._control = _connect(self.address, self.authkey, RECONNECT_S)
 
     def close(self, stop_plane: bool) -> None:
         # The prefetch thread must be out of torch before the interpreter exits: a daemon thread inside an

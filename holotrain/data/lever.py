@@ -50,8 +50,11 @@ class Data:
             backend=section.backend, ray_address=section.ray_address,
         )
         address, key = plane_address(run_dir)
-        plane = start_plane(spec, state, address, key) if env.local_rank == 0 else None
-        self.client = DataClient(address, key, env.rank, start_step, env.device, plane=plane)
+        owner = env.local_rank == 0  # starts this node's plane, and restarts it if it dies
+        plane = start_plane(spec, state, address, key) if owner else None
+        restart = (lambda plane_state: start_plane(spec, plane_state, address, key)) if owner else None
+        self.client = DataClient(address, key, env.rank, start_step, env.device, plane=plane, restart=restart,
+                                 plane_state=state)
         self._samples_log = None
         if env.is_main and section.log_samples:
             truncate_jsonl(Path(run_dir) / "samples.jsonl", start_step)
@@ -71,7 +74,7 @@ class Data:
 
     def metrics(self, steps: int) -> dict:
         stats = self.client.stats
-        return {f"data.{k}": stats.get(k) for k in STAT_FIELDS}
+        return {**{f"data.{k}": stats.get(k) for k in STAT_FIELDS}, "data.plane_restarts": self.client.restarts}
 
     def close(self) -> None:
         if self._samples_log is not None:

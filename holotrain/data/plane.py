@@ -451,12 +451,15 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
                 msg = conn.recv()
                 try:
                     if msg[0] == "batch":
-                        _, step, rank = msg
+                        _, step, rank, want_state = msg
                         with cond:
                             consumed[rank] = max(consumed[rank], step)
                             cond.notify_all()
                         entry = wait_step(step)
-                        conn.send(("ok", {**entry["ranks"][rank], "stats": entry["stats"]}))
+                        reply = {**entry["ranks"][rank], "stats": entry["stats"]}
+                        if want_state:  # the plane's owner keeps it: a restarted plane resumes from it
+                            reply["state"] = entry["state"]
+                        conn.send(("ok", reply))
                     elif msg[0] == "state":
                         conn.send(("ok", wait_step(msg[1] - 1)["state"] if msg[1] > 0 else None))
                     elif msg[0] == "close":

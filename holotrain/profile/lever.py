@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from holotrain.profile.goodput import Goodput
 from holotrain.profile.metrics import MetricsLogger
 from holotrain.profile.phases import PhaseClock
 from holotrain.profile.trace import StepTracer
@@ -21,6 +22,7 @@ class Profiler:
         # None without profile.phases: nothing is timed per phase
         self.clock = PhaseClock(env.device) if section.phases else None
         self.tracer = StepTracer(section.trace_steps, run_dir, env.rank, section.trace_max_mb, env.device.type == "cuda")
+        self.goodput = Goodput()  # the whole process's wall time, accounted
 
     def logger(self, total_steps: int, start_step: int) -> MetricsLogger | None:
         """The metrics sinks (metrics.jsonl, TensorBoard, the terminal): the main rank's only."""
@@ -45,6 +47,16 @@ class Profiler:
 
     def close(self) -> None:
         self.tracer.close()
+
+    def write_goodput(self, checkpoint_s: float) -> dict | None:
+        """RUN_DIR/goodput.json with the whole process's breakdown (main rank), printed as one line."""
+        if not self.env.is_main:
+            return None
+        g = self.goodput.write(self.run_dir, checkpoint_s)
+        parts = ", ".join(f"{k[len('goodput.'):-2]} {v:.1f}" for k, v in g.items() if k.endswith("_s") and k != "goodput.wall_s")
+        rate = f"{g['goodput']:,.0f}" if g["goodput"] is not None else "-"
+        print(f"holotrain: goodput {rate} tokens/s over {g['goodput.wall_s']:.1f} s of wall time ({parts} s)", flush=True)
+        return g
 
     def write_report(self) -> Path | None:
         """RUN_DIR/report.html (main rank, profile.report)."""

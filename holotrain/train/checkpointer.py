@@ -34,7 +34,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._allocating: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._blocking_s = 0.0
+        self._blocking_s = 0.0  # since the last metrics() call
+        self.blocking_total_s = 0.0  # since the start: the goodput account's checkpoint time
         self._write_s: list[float] = []
         self._lock = threading.Lock()
 
@@ -63,6 +64,7 @@ class Checkpointer:
                                             args=(step, snapshot, trainer_state, extra_files))
             self._thread.start()
         self._blocking_s += time.perf_counter() - t0
+        self.blocking_total_s += time.perf_counter() - t0
 
     def wait(self) -> None:
         """Until the write under way (if any) is complete; raises its error."""

@@ -133,7 +133,9 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
     try:
         start_step, data_state = 0, None
+        t0 = time.time()
         resumed = load_latest(run_dir, model, optimizer) if job.resume_from is not None else None
+        profiler.goodput.recovery_s = time.time() - t0 if resumed is not None else 0.0
         if resumed is not None:
             path, trainer_state = resumed
             start_step = trainer_state["step"]
@@ -154,6 +156,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
         checkpointer.close()
         optimizer.close()
         profiler.close()
+    profiler.write_goodput(checkpointer.blocking_total_s)
     report = profiler.write_report()
     if report is not None:
         print(f"holotrain: report {report}")
@@ -214,6 +217,9 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
     if cuda:
         torch.cuda.reset_peak_memory_stats(env.device)
     hardware.begin_interval()
+    goodput = profiler.goodput
+    goodput.steps_begin()
+    first_interval = True
 
     for step in range(start_step, cfg.training.steps):
         done = step + 1
@@ -221,9 +227,16 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
         profiler.before(done)
         micro_batches, waited = data.next(done)
         profiler.add("data_wait", waited)
+        goodput.data_wait_s += waited
+        t_step = time.perf_counter()
         loss, grad_norm = train_step(micro_batches.__getitem__, accum, lr)
-        if step == start_step and (cfg.checkpoint.every or cfg.checkpoint.save_final):
-            checkpointer.prepare(optimizer)  # the optimizer's state exists now
+        if step == start_step:
+            # The first step compiles and warms up: timed on its own (one synchronization) for the goodput account.
+            if cuda:
+                torch.cuda.synchronize(env.device)
+            goodput.first_step_s = time.perf_counter() - t_step
+            if cfg.checkpoint.every or cfg.checkpoint.save_final:
+                checkpointer.prepare(optimizer)  # the optimizer's state exists now
         profiler.after(done)
         loss_sum += loss
         interval_steps += 1
@@ -240,6 +253,11 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
             hardware.mark(done)
             step_s = elapsed / interval_steps
             flops_s = flops_per_step / step_s
+            if not first_interval:
+                goodput.step_s.append(step_s)
+            first_interval = False
+            skipped_total = int(nonfinite.item())
+            goodput.useful_tokens += (interval_steps - (skipped_total - nonfinite_logged)) * tokens_per_step
             row = {
                 "step": done,
                 "loss": loss_value,
@@ -260,8 +278,10 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                 "wall_time": time.time(),
                 "tokens": done * tokens_per_step,
                 **data.metrics(interval_steps),  # data.*
-                "train.nonfinite_steps": int(nonfinite.item()),
+                "train.nonfinite_steps": skipped_total,
             }
+            if done == cfg.training.steps:  # the last row: goodput so far (RUN_DIR/goodput.json: after teardown)
+                row.update(goodput.summary(checkpointer.blocking_total_s))
             if logger is not None:
                 logger.log(row)
                 rows.append(row)
@@ -291,4 +311,5 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
             data_state = data.state(done)
             checkpointer.save(done, optimizer, {"step": done, "world_size": env.world_size},
                               extra_files={DATA_STATE: json.dumps(data_state)} if env.is_main else None)
+    goodput.steps_end()
     return rows

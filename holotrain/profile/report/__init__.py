@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from holotrain.jsonl import read_jsonl
-from holotrain.profile.report.charts import OTHER_COLOR, PALETTE, PHASE_COLORS, _line_chart, _stacked_bars
+from holotrain.profile.report.charts import OTHER_COLOR, PALETTE, PHASE_COLORS, _hbars, _line_chart, _stacked_bars
 from holotrain.profile.report.data import (
     _dev_key,
     _has,
@@ -150,6 +150,7 @@ def write_report(run_dir) -> Path:
         body += _note(f"Steps {', '.join(str(t) for t in sorted(traced))} ran under torch.profiler "
                       "(profile.trace_steps): their logged interval is slower by design.")
     parts.append(_section("Throughput and loss", body, "throughput"))
+    parts.append(_section("Goodput", _goodput_section(run_dir, rows), "goodput"))
 
     # -- phases
     phase_keys = _phase_keys(rows)
@@ -167,9 +168,11 @@ def write_report(run_dir) -> Path:
             layers.append(("other", other, OTHER_COLOR))
         chart = _stacked_bars([r["step"] for r in rows], layers, chart_id="chart-phases",
                               title="Step time by phase (seconds per step, per logged step)",
-                              x_label="step", y_label="seconds per step")
+                              x_label="step", y_label="seconds per step", clip_outliers=True)
         body = _figs(chart) + _note("\"other\" = step_s minus the recorded phases (host and launch overhead, "
-                                    "synchronization), clamped at 0.") if chart else _note("Phase times are all zero.")
+                                    "synchronization), clamped at 0. A bar over 3x the median (the first logged "
+                                    "interval, which compiles) is cut at twice the median, its value written above "
+                                    "it.") if chart else _note("Phase times are all zero.")
     else:
         body = _note("No time.* phase times in metrics.jsonl (profile.phases off?).")
     parts.append(_section("Where each step goes", body, "phases"))
@@ -223,3 +226,30 @@ def write_report(run_dir) -> Path:
         if tmp.exists():
             tmp.unlink()
     return out
+
+
+GOODPUT_PARTS = (("startup", "start-up: process, data plane, model build, compilation"),
+                 ("recovery", "recovery: loading the checkpoint resumed from"),
+                 ("train", "training steps"), ("checkpoint", "checkpoint saves (blocking part)"),
+                 ("data_wait", "waiting for data"), ("other", "the rest: teardown, last write, logging"))
+
+
+def _goodput_section(run_dir: Path, rows: list[dict]) -> str:
+    """Useful tokens per second of wall clock over the whole process, and where the wall time went: goodput.json
+    (written after teardown), else the last metrics row (up to the last step)."""
+    g = _read_json(run_dir / "goodput.json")
+    source = "goodput.json"
+    if not isinstance(g, dict):
+        g = next((r for r in reversed(rows) if "goodput" in r), None)
+        source = "the last metrics row"
+    if not isinstance(g, dict) or not _num(g.get("goodput.wall_s")):
+        return _note("No goodput figures (a run that has not finished, or one from an earlier version).")
+    wall = _num(g["goodput.wall_s"])
+    items = [(label, (_num(g.get(f"goodput.{key}_s")) or 0.0) / wall) for key, label in GOODPUT_PARTS]
+    chart = _hbars(items, chart_id="chart-goodput", title="Wall time of the process, by what it was spent on",
+                   x_label="share of wall time")
+    rate = _num(g.get("goodput"))
+    table = _table([("goodput (useful tokens / wall second)", f"{rate:,.0f}" if rate is not None else "-"),
+                    ("wall time", f"{wall:.1f} s"),
+                    *((label, f"{(_num(g.get(f'goodput.{key}_s')) or 0.0):.1f} s") for key, label in GOODPUT_PARTS)])
+    return _figs(chart) + table + _note(f"From {source}. Steps skipped as non-finite are not useful tokens.")

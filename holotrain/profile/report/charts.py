@@ -196,8 +196,11 @@ def _line_chart(series: list[dict], *, chart_id: str, title: str, x_label: str, 
 
 
 def _stacked_bars(xs: list[float], layers: list[tuple[str, list, str]], *, chart_id: str, title: str,
-                  x_label: str, y_label: str, width: int = 2 * W + 16, height: int = H + 20) -> str:
-    """One stacked bar per x (bars averaged in groups above MAX_BARS). layers: [(name, values, color)]."""
+                  x_label: str, y_label: str, width: int = 2 * W + 16, height: int = H + 20,
+                  clip_outliers: bool = False) -> str:
+    """One stacked bar per x (bars averaged in groups above MAX_BARS). layers: [(name, values, color)].
+    clip_outliers: a bar more than 3x the median (the first, compiling step) is cut at twice the median and
+    labelled with its value, so that it does not flatten every other bar."""
     n = len(xs)
     if not n or not layers:
         return ""
@@ -213,7 +216,10 @@ def _stacked_bars(xs: list[float], layers: list[tuple[str, list, str]], *, chart
     legend, leg_h = _legend([(name, c) for name, _, c in layers], 64, 34, width - 80)
     left, top, right, bottom = 64, 28 + leg_h + 4, 16, 44
     pw, ph = width - left - right, height - top - bottom
-    yt = _nice_ticks(0.0, max(totals), 5)
+    positive = sorted(t for t in totals if t > 0)
+    median = positive[len(positive) // 2]
+    cap = 2 * median if clip_outliers and max(totals) > 3 * median else max(totals)
+    yt = _nice_ticks(0.0, cap, 5)
     y1 = yt[-1]
     band = pw / n
 
@@ -229,13 +235,16 @@ def _stacked_bars(xs: list[float], layers: list[tuple[str, list, str]], *, chart
         x = left + i * band + (band - bw) / 2
         for name, vals, color in layers:
             v = max(0.0, _num(vals[i]) or 0.0)
-            if v <= 0:
+            if v <= 0 or acc >= y1:
                 continue
-            y_top, y_bot = y_of(acc + v), y_of(acc)
+            y_top, y_bot = y_of(min(y1, acc + v)), y_of(acc)
             out.append(f'<rect class="mark" x="{x:.1f}" y="{y_top:.1f}" width="{bw:.1f}" '
                        f'height="{max(0.5, y_bot - y_top):.1f}" fill="{color}"><title>step {esc(_fmt(xs[i]))} '
                        f'{esc(name)}: {esc(_fmt(v))} s</title></rect>')
             acc += v
+        if totals[i] > y1:
+            out.append(f'<text x="{x + bw / 2:.1f}" y="{top - 2:.1f}" text-anchor="middle" font-size="10">'
+                       f'{esc(_fmt(totals[i]))} s</text>')
     return _svg(chart_id, title, width, height, "".join(out))
 
 
