@@ -111,6 +111,10 @@ class CheckpointConfig(_Section):
     resume: bool = True  # continue from the newest intact checkpoint in the run directory
     # Write checkpoints in the background: training blocks only while the state is copied to host memory.
     async_save: bool = True
+    # In-memory snapshots: every this many steps (0 = off) the state also lands in host RAM that outlives the
+    # process (/dev/shm); a restart resumes from the newest of RAM and disk. memory_gb caps the RAM they take.
+    memory_every: int = 0
+    memory_gb: float = 64.0
     save_final: bool = True
 
 
@@ -444,6 +448,8 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     c = cfg.checkpoint
     need(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
     need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
+    need(c.memory_every >= 0, f"checkpoint.memory_every must be >= 0 (0 = off), got {c.memory_every}")
+    need(c.memory_gb > 0, f"checkpoint.memory_gb must be positive, got {c.memory_gb}")
     need(cfg.parallel.dp == "fsdp", f"parallel.dp must be 'fsdp', got {cfg.parallel.dp!r}")
     par = cfg.parallel
     need(par.tp >= 1, f"parallel.tp must be >= 1, got {par.tp}")

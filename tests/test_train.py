@@ -5,6 +5,7 @@ import math
 import os
 import pickle
 import random
+import shutil
 import signal
 
 import pytest
@@ -264,3 +265,39 @@ def test_goodput_accounts_for_the_whole_process(reference_run):
     last = read_metrics(reference_run)[-1]
     assert last["goodput"] > 0 and last["goodput.wall_s"] <= g["goodput.wall_s"]
     assert 'id="goodput"' in (reference_run / "report.html").read_text()
+
+
+def test_resume_from_an_in_memory_snapshot_after_sigkill(reference_run, tmp_path):
+    """checkpoint.memory_every = 1 puts a snapshot in host RAM (/dev/shm) after every step; disk checkpoints come
+    every 10. Killed mid-run, the same command resumes from the newer RAM snapshot (losing at most one step, not
+    up to ten) and reproduces the uninterrupted run exactly. A finished run removes its snapshots; a run
+    directory started afresh never picks up a stale one."""
+    from holotrain.train.checkpoint import list_checkpoints, memory_root
+
+    run_dir = tmp_path / "in-memory"
+    args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 10,
+                                            "checkpoint.memory_every": 1})]
+    killed_at = sigkill_after(args, run_dir, random.Random().randint(13, 19))
+    in_ram = list_checkpoints(memory_root(run_dir))
+    assert in_ram and in_ram[-1][0] > 10, (killed_at, in_ram)
+    proc = run_cli(*args)
+    assert f"resuming from {in_ram[-1][1]}" in proc.stdout
+    assert losses(run_dir) == losses(reference_run), f"killed after step {killed_at}"
+    assert not memory_root(run_dir).exists()
+
+    # A stale snapshot of a deleted run directory is not resumed by a fresh run there.
+    stale = tmp_path / "stale"
+    stale_args = ["train", *tiny_args(stale, **{"training.steps": 40, "checkpoint.every": 0,
+                                                "checkpoint.save_final": False, "checkpoint.memory_every": 1})]
+    sigkill_after(stale_args, stale, 5)
+    assert list_checkpoints(memory_root(stale))
+    shutil.rmtree(stale)
+    run_cli(*["train", *tiny_args(stale, **{"training.steps": 3, "checkpoint.memory_every": 1})])
+    assert [r["step"] for r in read_metrics(stale)] == [1, 2, 3]
+    assert not memory_root(stale).exists()
+
+
+def test_in_memory_snapshots_over_their_ram_cap_are_one_clear_error(tmp_path):
+    proc = run_cli("train", *tiny_args(tmp_path / "capped", **{"checkpoint.memory_every": 1,
+                                                               "checkpoint.memory_gb": 1e-6}), check=False)
+    assert proc.returncode == 2 and "checkpoint.memory_gb" in proc.stderr and "Traceback" not in proc.stderr

@@ -12,6 +12,7 @@ background, while training goes on, is train/checkpointer.py's.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -20,6 +21,7 @@ import pickle
 import re
 import shutil
 import signal
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -119,6 +121,41 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     ckpts = list_checkpoints(run_dir)
     return ckpts[-1][1] if ckpts else None
+
+
+RUN_ID = "run_id"
+
+
+def memory_root(run_dir: Path) -> Path:
+    """Where this run's in-memory snapshots live: host RAM that outlives the process (/dev/shm, a tmpfs), one
+    folder per run directory, laid out like a run directory (checkpoints/step-N)."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"holotrain-{key}"
+
+
+def run_id(run_dir: Path) -> str | None:
+    """The run directory's identity: a memory snapshot is this run's only if it carries the same id (a run
+    directory deleted and started afresh gets a new one, so a stale snapshot in RAM is never resumed)."""
+    try:
+        return (Path(run_dir) / RUN_ID).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def all_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The run's disk checkpoints and its in-memory snapshots (those with the run's id), oldest first; at equal
+    steps the disk one comes last (tried first)."""
+    ident = run_id(run_dir)
+    memory = []
+    for step, path in list_checkpoints(memory_root(run_dir)):
+        try:
+            if ident is not None and json.loads((path / TRAINER_STATE).read_text()).get(RUN_ID) == ident:
+                memory.append((step, 0, path))
+        except (OSError, ValueError):
+            continue
+    disk = [(step, 1, path) for step, path in list_checkpoints(run_dir)]
+    return [(step, path) for step, _, path in sorted(memory + disk)]
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -236,15 +273,18 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
 
 
 def load_latest(run_dir: Path, model: torch.nn.Module, optimizer) -> tuple[Path, dict] | None:
-    """Collective. Loads the newest intact checkpoint of the run, newest first: a damaged one (a file missing or
+    """Collective. Loads the newest intact checkpoint of the run (on disk, or an in-memory snapshot), newest first: a damaged one (a file missing or
     truncated, metadata that does not load) is reported in one line and the previous one is tried. Returns its
     path and trainer state, None when the run has no checkpoint; ConfigError when none is intact."""
     failed = []
-    for _, path in reversed(list_checkpoints(run_dir)):
+    for _, path in reversed(all_checkpoints(run_dir)):
         reason = damage(path)
         if reason is None:
             try:
-                return path, load_checkpoint(path, model, optimizer)
+                state = load_checkpoint(path, model, optimizer)
+                if _rank() == 0:
+                    print(f"holotrain: resuming from {path} (step {state['step']})", flush=True)
+                return path, state
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failure to read it makes it unusable
                 reason = f"{e.__class__.__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
         failed.append(f"{path.name} ({reason})")

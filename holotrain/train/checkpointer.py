@@ -8,6 +8,7 @@ training's NCCL collectives. The process waits for the writer when training ends
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from holotrain.train.checkpoint import training_state, write_checkpoint
+from holotrain.errors import ConfigError
+from holotrain.train.checkpoint import RUN_ID, memory_root, run_id, training_state, write_checkpoint
 
 if TYPE_CHECKING:
     from holotrain.config import CheckpointConfig
@@ -25,8 +27,13 @@ if TYPE_CHECKING:
 
 
 class Checkpointer:
-    def __init__(self, section: CheckpointConfig, env: DistEnv, run_dir: Path):
+    def __init__(self, section: CheckpointConfig, env: DistEnv, run_dir: Path, keep: int | None = None,
+                 cap_gb: float | None = None):
+        """run_dir: where checkpoints/ goes (the run directory, or the memory root of in-memory snapshots);
+        keep: newest kept (default checkpoint.keep); cap_gb: RAM the snapshots may take (buffers and files)."""
         self.section, self.env, self.run_dir = section, env, Path(run_dir)
+        self.keep = keep or section.keep
+        self.cap_gb = cap_gb
         self.background = section.async_save
         # Collective: every rank makes the group at the same point.
         self.group = dist.new_group(backend="gloo") if self.background and env.world_size > 1 else None
@@ -55,8 +62,11 @@ class Checkpointer:
             self._allocating.join()
         self.wait()
         state = training_state(optimizer)
+        if self.cap_gb is not None:
+            self._check_cap(state)
+            self.cap_gb = None  # the state's size does not change: checked once
         if not self.background:
-            write_checkpoint(self.run_dir, step, state, trainer_state, self.section.keep, extra_files)
+            write_checkpoint(self.run_dir, step, state, trainer_state, self.keep, extra_files)
             self._finished(time.perf_counter() - t0)
         else:
             snapshot = self.snapshot.take(state)
@@ -65,6 +75,18 @@ class Checkpointer:
             self._thread.start()
         self._blocking_s += time.perf_counter() - t0
         self.blocking_total_s += time.perf_counter() - t0
+
+    def _check_cap(self, state: dict) -> None:
+        """The RAM a snapshot takes on this node: the host copy, and the files of two snapshots while the newer
+        replaces the older (each rank holds its share)."""
+        layout = self.snapshot.layout(state)
+        mine = sum(shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout.values())
+        need = mine * (3 if self.background else 2) * self.env.local_world_size
+        if need > self.cap_gb * 1e9:
+            raise ConfigError(
+                f"checkpoint.memory_gb = {self.cap_gb:g}: in-memory snapshots of this job need about {need / 1e9:.1f} "
+                f"GB of this node's RAM ({mine / 1e9:.1f} GB of state per rank x {self.env.local_world_size} ranks, a "
+                "host copy and two snapshots' files); raise checkpoint.memory_gb or set checkpoint.memory_every = 0")
 
     def wait(self) -> None:
         """Until the write under way (if any) is complete; raises its error."""
@@ -94,8 +116,7 @@ class Checkpointer:
     def _write(self, step, snapshot, trainer_state, extra_files) -> None:
         t0 = time.perf_counter()
         try:
-            write_checkpoint(self.run_dir, step, snapshot, trainer_state, self.section.keep, extra_files,
-                             group=self.group)
+            write_checkpoint(self.run_dir, step, snapshot, trainer_state, self.keep, extra_files, group=self.group)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread at its next save or at close
             self._error = e
             return
@@ -171,3 +192,54 @@ class HostSnapshot:
 
     def _empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self.pin and shape.numel() > 0)
+
+
+class Checkpoints:
+    """The run's disk checkpoints (checkpoint.every) and in-memory snapshots (checkpoint.memory_every), as the
+    training loop uses them: which is due at a step, saving it, and their metrics."""
+
+    def __init__(self, section: CheckpointConfig, env: DistEnv, run_dir: Path, total_steps: int):
+        self.section, self.env, self.run_dir, self.total_steps = section, env, Path(run_dir), total_steps
+        self.disk = Checkpointer(section, env, run_dir)
+        self.memory = None
+        if section.memory_every:
+            self.memory = Checkpointer(section, env, memory_root(run_dir), keep=1, cap_gb=section.memory_gb)
+        self.run_id = run_id(run_dir)
+
+    def due(self, done: int) -> Checkpointer | None:
+        s = self.section
+        if (s.every and done % s.every == 0) or (done == self.total_steps and s.save_final):
+            return self.disk
+        if self.memory is not None and done % s.memory_every == 0:
+            return self.memory
+        return None
+
+    def prepare(self, optimizer) -> None:
+        for c in self._all():
+            c.prepare(optimizer)
+
+    def save(self, which: Checkpointer, done: int, optimizer, extra_files: dict[str, str] | None) -> None:
+        which.save(done, optimizer, {"step": done, "world_size": self.env.world_size, RUN_ID: self.run_id},
+                   extra_files)
+
+    def metrics(self, steps: int) -> dict:
+        rows = [c.metrics(steps) for c in self._all()]
+        written = [r["checkpoint.write_s"] for r in rows if r["checkpoint.write_s"] is not None]
+        return {"time.checkpoint": sum(r["time.checkpoint"] for r in rows),
+                "checkpoint.write_s": sum(written) if written else None}
+
+    @property
+    def blocking_total_s(self) -> float:
+        return sum(c.blocking_total_s for c in self._all())
+
+    def close(self) -> None:
+        for c in self._all():
+            c.close()
+
+    def discard_memory(self) -> None:
+        """After the run completed: its in-memory snapshots are no longer needed (main rank)."""
+        if self.memory is not None and self.env.is_main:
+            shutil.rmtree(self.memory.run_dir, ignore_errors=True)
+
+    def _all(self) -> list[Checkpointer]:
+        return [self.disk] + ([self.memory] if self.memory is not None else [])

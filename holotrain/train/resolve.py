@@ -14,7 +14,7 @@ from holotrain.config import Config, ConfigError, batch_layout, load_config, res
 from holotrain.memory.plan import choose_offload_ratio
 from holotrain.model import Llama, LlamaArgs
 from holotrain.parallel import DistEnv
-from holotrain.train.checkpoint import latest_checkpoint
+from holotrain.train.checkpoint import all_checkpoints
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ def resolve_job(cfg: Config, env: DistEnv) -> Job:
     resolve(cfg, tokenizer_vocab=tokenizer.get_vocab_size())
     micro, accum = batch_layout(cfg, data_parallel_size(cfg, env))
 
-    resume_from = latest_checkpoint(cfg.run_dir)
+    found = all_checkpoints(cfg.run_dir)  # on disk, and this run's in-memory snapshots
+    resume_from = found[-1][1] if found else None
     if resume_from is not None and not cfg.checkpoint.resume:
         raise ConfigError(
             f"{cfg.run_dir} already holds checkpoints; set checkpoint.resume=true to continue it or choose another "

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,8 @@ from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
 from holotrain.parallel.lever import build as build_parallel
 from holotrain.profile.lever import build as build_profiler
-from holotrain.train.checkpoint import load_latest
-from holotrain.train.checkpointer import Checkpointer
+from holotrain.train.checkpoint import RUN_ID, load_latest
+from holotrain.train.checkpointer import Checkpoints
 from holotrain.train.resolve import compute_dtype_for, data_parallel_size, model_args, resolve_job
 from holotrain.train.step import TrainStep, lr_at
 
@@ -121,6 +122,8 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
         (run_dir / "tokenizer.json").write_bytes(job.tokenizer_path.read_bytes())
+        if not (run_dir / RUN_ID).is_file():
+            (run_dir / RUN_ID).write_text(uuid.uuid4().hex)
     if env.world_size > 1:
         dist.barrier()  # tokenizer.json is in place for the data plane
 
@@ -130,7 +133,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     model = build_model(cfg, env, dtype, memory, build_parallel(cfg.parallel, env))
     optimizer = memory.optimizer(model, AdamWHyper.from_section(cfg.training), cfg.training.lr, dtype,
                                  profiler.clock)
-    checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
+    checkpointer = Checkpoints(cfg.checkpoint, env, run_dir, cfg.training.steps)
     try:
         start_step, data_state = 0, None
         t0 = time.time()
@@ -156,6 +159,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
         checkpointer.close()
         optimizer.close()
         profiler.close()
+    checkpointer.discard_memory()  # the run is complete: its in-memory snapshots are not needed
     profiler.write_goodput(checkpointer.blocking_total_s)
     report = profiler.write_report()
     if report is not None:
@@ -300,8 +304,8 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
             interval_steps = 0
             interval_start = time.perf_counter()
 
-        every = cfg.checkpoint.every
-        if (every and done % every == 0) or (done == cfg.training.steps and cfg.checkpoint.save_final):
+        which = checkpointer.due(done)  # a disk checkpoint, an in-memory snapshot, or none
+        if which is not None:
             if int(nonfinite_run.item()):
                 # The weights are those of the last good step; a checkpoint now would only push good ones out.
                 if env.is_main:
@@ -309,7 +313,7 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                           "non-finite", flush=True)
                 continue
             data_state = data.state(done)
-            checkpointer.save(done, optimizer, {"step": done, "world_size": env.world_size},
+            checkpointer.save(which, done, optimizer,
                               extra_files={DATA_STATE: json.dumps(data_state)} if env.is_main else None)
     goodput.steps_end()
     return rows
