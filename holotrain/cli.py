@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 
 from holotrain.config import ConfigError, load_config
 from holotrain.errors import TrainingStopped
@@ -25,6 +26,11 @@ def _train(argv: list[str]) -> int:
     from holotrain.train import train
 
     train(cfg)
+    # Every thread of ours is joined by the time training returns: one still running at interpreter shutdown can
+    # take the process down inside a native call (std::terminate) after the run succeeded.
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("holotrain") and t.is_alive()]
+    if alive:
+        print(f"holotrain: warning: threads still running after training: {', '.join(alive)}", file=sys.stderr)
     return 0
 
 

@@ -122,12 +122,13 @@ def test_cpu_run_report(cpu_run):
     assert "8 of 8 (8 logged)" in page
     assert f"{rows[-1]['loss']:.3f}"[:4] in page
     assert "CPU" in page
-    # charts present: throughput, loss, phases; GPU-only ones replaced by one-line notes
+    # charts present: throughput, loss, goodput, phases; GPU-only ones replaced by one-line notes
     ids = _chart_ids(page)
-    assert ids[:3] == ["chart-tokens", "chart-loss", "chart-phases"]
+    assert ids[:4] == ["chart-tokens", "chart-loss", "chart-goodput", "chart-phases"]
+    assert "goodput (useful tokens / wall second)" in page
     # host RSS is the only memory figure a CPU run may have
     assert ("chart-memory" in ids) == any(r.get("mem.host_rss_gb") is not None for r in rows)
-    assert len(ids) == 3 + ("chart-memory" in ids)
+    assert len(ids) == 4 + ("chart-memory" in ids)
     for phase in ("data_wait", "forward", "backward", "optimizer"):
         assert f">{phase}</text>" in page  # legend of the stacked bars
     assert "No telemetry.jsonl and no hw.* metrics" in page

@@ -301,3 +301,13 @@ def test_in_memory_snapshots_over_their_ram_cap_are_one_clear_error(tmp_path):
     proc = run_cli("train", *tiny_args(tmp_path / "capped", **{"checkpoint.memory_every": 1,
                                                                "checkpoint.memory_gb": 1e-6}), check=False)
     assert proc.returncode == 2 and "checkpoint.memory_gb" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_thread_of_ours_outlives_training(tmp_path):
+    """The offload worker, the checkpoint writer and the data prefetch thread are all joined before the process
+    exits (the CLI warns about any still running): a run that saves in the background with offload leaves none."""
+    proc = run_cli("train", *tiny_args(tmp_path / "threads", **{"training.steps": 6, "checkpoint.every": 2,
+                                                                 "checkpoint.memory_every": 1,
+                                                                 "memory.offload": True}))
+    assert "threads still running" not in proc.stderr, proc.stderr
+    assert "terminate called" not in proc.stderr

@@ -77,7 +77,8 @@ class DataClient:
         self._stop = threading.Event()
         self.stats: dict = {}
         self.samples = None
-        self._thread = threading.Thread(target=self._prefetch, args=(start_step,), daemon=True)
+        self._thread = threading.Thread(target=self._prefetch, args=(start_step,), name="holotrain-data-prefetch",
+                                        daemon=True)
         self._thread.start()
 
     def _request(self, conn, msg):
