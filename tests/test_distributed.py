@@ -49,3 +49,19 @@ def test_two_process_resume_continues_exactly(tmp_path):
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-2", "step-4"]
     torchrun(2, "train", *tiny_args(resumed, **common))
     assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(full)]
+
+
+@pytest.mark.slow
+def test_two_process_resume_from_an_in_memory_snapshot(tmp_path):
+    """Two ranks on one node, a snapshot in RAM after every step and on disk every 8: killed while writing the
+    step-11 snapshot, they resume from the step-10 one in RAM (not the step-8 one on disk) to the same curve."""
+    from holotrain.train.checkpoint import list_checkpoints, memory_root
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = {"training.steps": 16, "checkpoint.every": 8, "checkpoint.memory_every": 1}
+    torchrun(2, "train", *tiny_args(full, **common))
+    torchrun(2, "train", *tiny_args(resumed, **common), env={"HOLOTRAIN_KILL_DURING_SAVE": "11"}, ok=False)
+    assert [s for s, _ in list_checkpoints(memory_root(resumed))] == [10]
+    torchrun(2, "train", *tiny_args(resumed, **common))
+    assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(full)]
+    assert not memory_root(resumed).exists()

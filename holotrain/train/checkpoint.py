@@ -255,6 +255,17 @@ class _DropLoaderTracebacks(logging.Filter):
         return not record.pathname.endswith(os.path.join("checkpoint", "state_dict_loader.py"))
 
 
+def _agreed(reason: str | None) -> str | None:
+    """A checkpoint is usable only if every rank finds it intact (each checks the files it sees)."""
+    if not _is_dist():
+        return reason
+    bad = torch.tensor([0 if reason is None else 1], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        bad = bad.cuda()
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return reason if reason is not None or not bad.item() else "damaged on another rank"
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
     """Collective. Restores model, optimizer and RNG in place; returns the trainer state."""
     state = training_state(optimizer)
@@ -278,7 +289,7 @@ def load_latest(run_dir: Path, model: torch.nn.Module, optimizer) -> tuple[Path,
     path and trainer state, None when the run has no checkpoint; ConfigError when none is intact."""
     failed = []
     for _, path in reversed(all_checkpoints(run_dir)):
-        reason = damage(path)
+        reason = _agreed(damage(path))
         if reason is None:
             try:
                 state = load_checkpoint(path, model, optimizer)

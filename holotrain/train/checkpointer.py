@@ -202,6 +202,11 @@ class Checkpoints:
         self.section, self.env, self.run_dir, self.total_steps = section, env, Path(run_dir), total_steps
         self.disk = Checkpointer(section, env, run_dir)
         self.memory = None
+        if section.memory_every and env.world_size > env.local_world_size:
+            # A snapshot in one node's RAM holds only that node's shards, and the replica on a peer node that would
+            # make it whole is not built: every rank must see the same snapshot to resume from it.
+            raise ConfigError(f"checkpoint.memory_every needs every rank on one node ({env.world_size} ranks, "
+                              f"{env.local_world_size} on this node); set checkpoint.memory_every = 0")
         if section.memory_every:
             self.memory = Checkpointer(section, env, memory_root(run_dir), keep=1, cap_gb=section.memory_gb)
         self.run_id = run_id(run_dir)
