@@ -1,6 +1,7 @@
 """FSDP2 over two gloo processes must train like one process on the same global batch."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 from tests.conftest import REPO, read_metrics, run_cli, tiny_args
 
 
-def torchrun(nproc: int, *args, env=None, ok=True) -> None:
+def torchrun(nproc: int, *args, env=None, ok=True) -> str:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         "-m", "holotrain.cli", *args,
@@ -20,6 +21,7 @@ def torchrun(nproc: int, *args, env=None, ok=True) -> None:
         # Keep the ranks' own output (torchrun's summary alone does not say why a rank died).
         raise AssertionError(f"torchrun exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
                              f"--- stderr ---\n{proc.stderr[-12000:]}")
+    return proc.stdout
 
 
 @pytest.mark.slow
@@ -52,16 +54,25 @@ def test_two_process_resume_continues_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_resume_from_an_in_memory_snapshot(tmp_path):
-    """Two ranks on one node, a snapshot in RAM after every step and on disk every 8: killed while writing the
-    step-11 snapshot, they resume from the step-10 one in RAM (not the step-8 one on disk) to the same curve."""
-    from holotrain.train.checkpoint import list_checkpoints, memory_root
+@pytest.mark.parametrize("node_lost", [False, True], ids=["restart", "node-lost"])
+def test_two_process_resume_from_an_in_memory_snapshot(tmp_path, node_lost):
+    """Two ranks, a snapshot in RAM after every step and on disk every 8: killed while writing the step-11 snapshot,
+    they resume from the step-10 one in RAM (not the step-8 one on disk) to the same losses and samples. With
+    rank 1's RAM wiped as well (its node lost), rank 1's part comes from the replica rank 0 holds."""
+    from holotrain.train.checkpoint import memory_root
+    from holotrain.train.snapshots import local_steps
 
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = {"training.steps": 16, "checkpoint.every": 8, "checkpoint.memory_every": 1}
+    common = {"training.steps": 16, "checkpoint.every": 8, "checkpoint.memory_every": 1, "data.log_samples": True}
     torchrun(2, "train", *tiny_args(full, **common))
     torchrun(2, "train", *tiny_args(resumed, **common), env={"HOLOTRAIN_KILL_DURING_SAVE": "11"}, ok=False)
-    assert [s for s, _ in list_checkpoints(memory_root(resumed))] == [10]
-    torchrun(2, "train", *tiny_args(resumed, **common))
+    for rank, holder in ((0, 1), (1, 0)):
+        assert sorted(local_steps(resumed, rank)[0]) == [10]  # its own: step 11 was never completed
+        assert max(local_steps(resumed, holder)[1]) == 10  # its replica, held by the other rank
+    if node_lost:
+        shutil.rmtree(memory_root(resumed) / "rank-1")
+    out = torchrun(2, "train", *tiny_args(resumed, **common))
+    assert "resuming from the in-memory snapshot in " in out and "(step 10)" in out
     assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(full)]
+    assert (resumed / "samples.jsonl").read_text() == (full / "samples.jsonl").read_text()
     assert not memory_root(resumed).exists()

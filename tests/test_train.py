@@ -272,16 +272,17 @@ def test_resume_from_an_in_memory_snapshot_after_sigkill(reference_run, tmp_path
     every 10. Killed mid-run, the same command resumes from the newer RAM snapshot (losing at most one step, not
     up to ten) and reproduces the uninterrupted run exactly. A finished run removes its snapshots; a run
     directory started afresh never picks up a stale one."""
-    from holotrain.train.checkpoint import list_checkpoints, memory_root
+    from holotrain.train.checkpoint import memory_root
+    from holotrain.train.snapshots import local_steps
 
     run_dir = tmp_path / "in-memory"
     args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 10,
                                             "checkpoint.memory_every": 1})]
     killed_at = sigkill_after(args, run_dir, random.Random().randint(13, 19))
-    in_ram = list_checkpoints(memory_root(run_dir))
-    assert in_ram and in_ram[-1][0] > 10, (killed_at, in_ram)
+    in_ram = sorted(local_steps(run_dir, 0)[0])
+    assert in_ram and in_ram[-1] > 10, (killed_at, in_ram)
     proc = run_cli(*args)
-    assert f"resuming from {in_ram[-1][1]}" in proc.stdout
+    assert f"resuming from the in-memory snapshot in {memory_root(run_dir)} (step {in_ram[-1]})" in proc.stdout
     assert losses(run_dir) == losses(reference_run), f"killed after step {killed_at}"
     assert not memory_root(run_dir).exists()
 
@@ -290,7 +291,7 @@ def test_resume_from_an_in_memory_snapshot_after_sigkill(reference_run, tmp_path
     stale_args = ["train", *tiny_args(stale, **{"training.steps": 40, "checkpoint.every": 0,
                                                 "checkpoint.save_final": False, "checkpoint.memory_every": 1})]
     sigkill_after(stale_args, stale, 5)
-    assert list_checkpoints(memory_root(stale))
+    assert local_steps(stale, 0)[0]
     shutil.rmtree(stale)
     run_cli(*["train", *tiny_args(stale, **{"training.steps": 3, "checkpoint.memory_every": 1})])
     assert [r["step"] for r in read_metrics(stale)] == [1, 2, 3]

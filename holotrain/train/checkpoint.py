@@ -28,10 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-from holotrain.errors import ConfigError
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 TRAINER_STATE = "trainer_state.json"
@@ -143,21 +140,6 @@ def run_id(run_dir: Path) -> str | None:
         return None
 
 
-def all_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """The run's disk checkpoints and its in-memory snapshots (those with the run's id), oldest first; at equal
-    steps the disk one comes last (tried first)."""
-    ident = run_id(run_dir)
-    memory = []
-    for step, path in list_checkpoints(memory_root(run_dir)):
-        try:
-            if ident is not None and json.loads((path / TRAINER_STATE).read_text()).get(RUN_ID) == ident:
-                memory.append((step, 0, path))
-        except (OSError, ValueError):
-            continue
-    disk = [(step, 1, path) for step, path in list_checkpoints(run_dir)]
-    return [(step, path) for step, _, path in sorted(memory + disk)]
-
-
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -166,11 +148,13 @@ def _rng_state() -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict, keep: int,
-                     extra_files: dict[str, str] | None = None, group: dist.ProcessGroup | None = None) -> Path:
+                     extra_files: dict[str, str] | None = None, group: dist.ProcessGroup | None = None,
+                     threads: int = 1) -> Path:
     """Collective over `group` (default: the default group): writes `state` (tensors DCP can save: on the device,
     or a host snapshot of them) as RUN_DIR/checkpoints/step-N atomically. `extra_files` (name -> text, given on
     rank 0) are written into the checkpoint before it is published; then a manifest of every file's size, then
-    trainer_state.json, whose presence marks a complete checkpoint. Returns the final checkpoint directory."""
+    trainer_state.json, whose presence marks a complete checkpoint. `threads`: files written at once by this rank.
+    Returns the final checkpoint directory."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -181,8 +165,8 @@ def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict,
         shutil.rmtree(final, ignore_errors=True)
     _barrier(group)
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=tmp, process_group=group)
-    _maybe_inject_fault(step)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=threads), process_group=group)
+    fault_point(step)
     if rank == 0:
         for name, text in (extra_files or {}).items():
             _write_synced(tmp / name, text)
@@ -255,7 +239,7 @@ class _DropLoaderTracebacks(logging.Filter):
         return not record.pathname.endswith(os.path.join("checkpoint", "state_dict_loader.py"))
 
 
-def _agreed(reason: str | None) -> str | None:
+def agreed(reason: str | None) -> str | None:
     """A checkpoint is usable only if every rank finds it intact (each checks the files it sees)."""
     if not _is_dist():
         return reason
@@ -266,7 +250,7 @@ def _agreed(reason: str | None) -> str | None:
     return reason if reason is not None or not bad.item() else "damaged on another rank"
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
+def load_checkpoint(path: Path, optimizer) -> dict:
     """Collective. Restores model, optimizer and RNG in place; returns the trainer state."""
     state = training_state(optimizer)
     quiet = _DropLoaderTracebacks()
@@ -276,35 +260,23 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
             dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path))
     finally:
         logging.getLogger().removeFilter(quiet)
+    apply_loaded(state, optimizer)
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def apply_loaded(state: dict, optimizer) -> None:
+    """After training_state(optimizer)'s tensors were filled from a checkpoint: the optimizer's remaining state and
+    the RNG."""
     optimizer.load_state_dict(state)
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"])
-    return json.loads((Path(path) / TRAINER_STATE).read_text())
 
 
-def load_latest(run_dir: Path, model: torch.nn.Module, optimizer) -> tuple[Path, dict] | None:
-    """Collective. Loads the newest intact checkpoint of the run (on disk, or an in-memory snapshot), newest first: a damaged one (a file missing or
-    truncated, metadata that does not load) is reported in one line and the previous one is tried. Returns its
-    path and trainer state, None when the run has no checkpoint; ConfigError when none is intact."""
-    failed = []
-    for _, path in reversed(all_checkpoints(run_dir)):
-        reason = _agreed(damage(path))
-        if reason is None:
-            try:
-                state = load_checkpoint(path, model, optimizer)
-                if _rank() == 0:
-                    print(f"holotrain: resuming from {path} (step {state['step']})", flush=True)
-                return path, state
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failure to read it makes it unusable
-                reason = f"{e.__class__.__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-        failed.append(f"{path.name} ({reason})")
-        if _rank() == 0:
-            print(f"holotrain: warning: checkpoint {path} is damaged ({reason}); trying the previous one", flush=True)
-    if failed:
-        raise ConfigError(f"no intact checkpoint in {Path(run_dir) / 'checkpoints'}: {'; '.join(failed)}. Remove "
-                          "them to start over, or choose another job.run_dir")
-    return None
+def why_unusable(error: BaseException) -> str:
+    """One line for a checkpoint that failed to load."""
+    text = str(error).strip()
+    return f"{error.__class__.__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def load_model_weights(path: Path, model: torch.nn.Module) -> None:
@@ -316,9 +288,9 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     model.load_state_dict(state["model"])
 
 
-def _maybe_inject_fault(step: int) -> None:
-    """Crash-test hook: HOLOTRAIN_KILL_DURING_SAVE=N kills this process after the shards of step N are
-    written but before the checkpoint is complete, as a power loss or OOM kill would."""
+def fault_point(step: int) -> None:
+    """Crash-test hook: HOLOTRAIN_KILL_DURING_SAVE=N kills this process after the data of the checkpoint (or
+    in-memory snapshot) of step N is written but before it is complete, as a power loss or OOM kill would."""
     target = os.environ.get("HOLOTRAIN_KILL_DURING_SAVE")
     if target is not None and int(target) == step:
         os.kill(os.getpid(), signal.SIGKILL)

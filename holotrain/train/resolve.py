@@ -14,7 +14,8 @@ from holotrain.config import Config, ConfigError, batch_layout, load_config, res
 from holotrain.memory.plan import choose_offload_ratio
 from holotrain.model import Llama, LlamaArgs
 from holotrain.parallel import DistEnv
-from holotrain.train.checkpoint import all_checkpoints
+from holotrain.train.checkpoint import list_checkpoints
+from holotrain.train.snapshots import any_local
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Job:
     accum: int  # micro-batches per optimizer step
     tokenizer: object  # tokenizers.Tokenizer of the run
     tokenizer_path: Path  # its tokenizer.json in the cache
-    resume_from: Path | None  # the checkpoint this run continues from
+    resume: bool  # the run continues from a checkpoint or in-memory snapshot of it
 
 
 def model_args(cfg: Config) -> LlamaArgs:
@@ -64,15 +65,19 @@ def resolve_job(cfg: Config, env: DistEnv) -> Job:
     resolve(cfg, tokenizer_vocab=tokenizer.get_vocab_size())
     micro, accum = batch_layout(cfg, data_parallel_size(cfg, env))
 
-    found = all_checkpoints(cfg.run_dir)  # on disk, and this run's in-memory snapshots
-    resume_from = found[-1][1] if found else None
-    if resume_from is not None and not cfg.checkpoint.resume:
+    # On disk, or this run's in-memory snapshots in any rank's RAM (some may have lost theirs with their node).
+    found = torch.tensor([int(bool(list_checkpoints(cfg.run_dir)) or any_local(cfg.run_dir))])
+    if env.world_size > 1:
+        found = found.to(env.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    resume = bool(found.item())
+    if resume and not cfg.checkpoint.resume:
         raise ConfigError(
             f"{cfg.run_dir} already holds checkpoints; set checkpoint.resume=true to continue it or choose another "
             "job.run_dir"
         )
-    resolve_levers(cfg, env, micro, accum, cfg.run_dir if resume_from is not None else None)
-    return Job(cfg.freeze(), micro, accum, tokenizer, tokenizer_path, resume_from)
+    resolve_levers(cfg, env, micro, accum, cfg.run_dir if resume else None)
+    return Job(cfg.freeze(), micro, accum, tokenizer, tokenizer_path, resume)
 
 
 def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_run: Path | None = None) -> Config:

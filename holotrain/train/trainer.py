@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from holotrain.config import Config, batch_layout
-from holotrain.errors import TrainingStopped
 from holotrain.data.lever import Layout
 from holotrain.data.lever import build as build_data
+from holotrain.errors import TrainingStopped
 from holotrain.hw import peak_bf16_flops
 from holotrain.hw.lever import build as build_hardware
-from holotrain.memory import Memory, build_optimizer as _build_optimizer
+from holotrain.memory import Memory
 from holotrain.memory import build as build_memory
+from holotrain.memory import build_optimizer as _build_optimizer
 from holotrain.model import Llama, flops_per_token, num_params
 from holotrain.optim import AdamWHyper, StepOptimizer
 from holotrain.parallel import DistEnv, init_distributed
@@ -30,9 +31,14 @@ from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
 from holotrain.parallel.lever import build as build_parallel
 from holotrain.profile.lever import build as build_profiler
-from holotrain.train.checkpoint import RUN_ID, load_latest
+from holotrain.train.checkpoint import RUN_ID
 from holotrain.train.checkpointer import Checkpoints
-from holotrain.train.resolve import compute_dtype_for, data_parallel_size, model_args, resolve_job
+from holotrain.train.resolve import (
+    compute_dtype_for,
+    data_parallel_size,
+    model_args,
+    resolve_job,
+)
 from holotrain.train.step import TrainStep, lr_at
 
 __all__ = ["TrainStep", "build_model", "build_optimizer", "compute_dtype_for", "lr_at", "model_args", "train"]
@@ -137,12 +143,12 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     try:
         start_step, data_state = 0, None
         t0 = time.time()
-        resumed = load_latest(run_dir, model, optimizer) if job.resume_from is not None else None
+        resumed = checkpointer.restore(optimizer) if job.resume else None
         profiler.goodput.recovery_s = time.time() - t0 if resumed is not None else 0.0
         if resumed is not None:
-            path, trainer_state = resumed
+            _, trainer_state, files = resumed
             start_step = trainer_state["step"]
-            data_state = json.loads((path / DATA_STATE).read_text())
+            data_state = json.loads(files[DATA_STATE])
         if start_step >= cfg.training.steps:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
@@ -239,8 +245,7 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
             if cuda:
                 torch.cuda.synchronize(env.device)
             goodput.first_step_s = time.perf_counter() - t_step
-            if cfg.checkpoint.every or cfg.checkpoint.save_final:
-                checkpointer.prepare(optimizer)  # the optimizer's state exists now
+            checkpointer.prepare(optimizer)  # the optimizer's state exists now
         profiler.after(done)
         loss_sum += loss
         interval_steps += 1

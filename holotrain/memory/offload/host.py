@@ -53,15 +53,24 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     advise_huge_pages(raw)  # before cudaHostRegister faults the pages in
     start = -raw.data_ptr() % _PAGE  # page-aligned, so no page is shared with another registration
     region = raw[start:start + span]
-    try:
-        registered = span > 0 and int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), span, 0)) == 0
-    except (AttributeError, RuntimeError, TypeError):
-        registered = False
-    if not registered:
+    if not page_lock(region):
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     tensor = region[:nbytes].view(dtype)
     tensor._holotrain_registered = True
     return tensor
+
+
+def page_lock(region: torch.Tensor) -> bool:
+    """Page-locks a page-aligned host tensor in place with cudaHostRegister (ordinary memory, or a shared file
+    mapping); False where that is not possible. The caller undoes it with `unregister` before freeing."""
+    nbytes = region.numel() * region.element_size()
+    try:
+        ok = nbytes > 0 and int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), nbytes, 0)) == 0
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    if ok:
+        region._holotrain_registered = True
+    return ok
 
 
 def unregister(tensor: torch.Tensor) -> None:

@@ -1,0 +1,122 @@
+"""A training state copied into one flat host buffer: every tensor of the state (a DTensor's local shard) at its own
+aligned offset. One allocation and one page-locking instead of hundreds, and a buffer that can be a file in
+/dev/shm as easily as ordinary memory: the checkpoint writer's reused host copy and the in-memory snapshots'
+files share this layout."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.distributed.tensor import DTensor
+
+_ALIGN = 64  # bytes: every tensor's offset, so a view of any dtype is aligned
+_PIECE = 32 << 20  # bytes per host-to-host copy task
+
+Key = tuple  # a leaf's place in the nested state: dict keys and list indices
+
+
+def leaves(obj, path: Key = ()) -> Iterator[tuple[Key, object]]:
+    """Every leaf of a nested state (dicts, lists, tuples) with its path; tensors and DTensors are leaves."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from leaves(v, (*path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from leaves(v, (*path, i))
+    else:
+        yield path, obj
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def replace_leaves(obj, new: dict, path: Key = ()):
+    """`obj` with the leaves named in `new` (path -> value) replaced; tuples stay tuples."""
+    if path in new:
+        return new[path]
+    if isinstance(obj, dict):
+        return {k: replace_leaves(v, new, (*path, k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        return type(obj)(replace_leaves(v, new, (*path, i)) for i, v in enumerate(obj))
+    return obj
+
+
+class FlatLayout:
+    """Where each tensor of a state lives in a flat byte buffer: path -> (offset, shape, dtype)."""
+
+    def __init__(self, entries: dict[Key, tuple[int, torch.Size, torch.dtype]], nbytes: int):
+        self.entries, self.nbytes = entries, nbytes
+
+    @classmethod
+    def of(cls, state: dict) -> FlatLayout:
+        entries, offset = {}, 0
+        for path, leaf in leaves(state):
+            if isinstance(leaf, torch.Tensor):
+                t = local(leaf)
+                entries[path] = (offset, t.shape, t.dtype)
+                offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        return cls(entries, offset)
+
+    def view(self, buf: torch.Tensor, path: Key) -> torch.Tensor:
+        offset, shape, dtype = self.entries[path]
+        n = shape.numel() * dtype.itemsize
+        return buf[offset:offset + n].view(dtype).view(shape)
+
+    def describe(self) -> list:
+        """JSON-able: [[path, dtype name, shape, offset], ...]."""
+        return [[list(p), str(d).removeprefix("torch."), list(s), o] for p, (o, s, d) in self.entries.items()]
+
+    @classmethod
+    def from_description(cls, rows: list, nbytes: int) -> FlatLayout:
+        return cls({tuple(p): (o, torch.Size(s), getattr(torch, d)) for p, d, s, o in rows}, nbytes)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FlatLayout) and self.entries == other.entries and self.nbytes == other.nbytes
+
+
+def copy_into(state: dict, layout: FlatLayout, buf: torch.Tensor, non_blocking: bool) -> dict:
+    """Copies every tensor of `state` into its place in `buf`: device tensors queued (when non_blocking the caller
+    synchronizes), host tensors (the offload engine's masters and moments: most of the bytes, then) on several
+    threads at once, as one thread is far from the host's memory bandwidth. Returns the state with those copies in
+    place of the tensors (a DTensor's copy wrapped again on its mesh, as DCP saves host DTensors)."""
+    copies, host = {}, []
+    for path, leaf in leaves(state):
+        if isinstance(leaf, torch.Tensor):
+            dst, src = layout.view(buf, path), local(leaf).detach()
+            if src.device.type == "cpu" and src.is_contiguous():
+                host.append((dst.view(-1), src.view(-1)))
+            else:
+                dst.copy_(src, non_blocking=non_blocking)
+            if isinstance(leaf, DTensor):
+                dst = DTensor.from_local(dst, leaf.device_mesh, leaf.placements, run_check=False, shape=leaf.shape,
+                                         stride=leaf.stride())
+            copies[path] = dst
+    _parallel_copy(host)
+    return replace_leaves(state, copies)
+
+
+def _parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """dst.copy_(src) for flat host tensors, in pieces of at most _PIECE bytes spread over a thread pool."""
+    pieces = []
+    for dst, src in pairs:
+        step = max(1, _PIECE // src.element_size())
+        pieces += [(dst[i:i + step], src[i:i + step]) for i in range(0, src.numel(), step)]
+    if len(pieces) <= 1:
+        for dst, src in pieces:
+            dst.copy_(src)
+        return
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda p: p[0].copy_(p[1]), pieces))
+
+
+def copy_from(state: dict, layout: FlatLayout, buf: torch.Tensor) -> None:
+    """The inverse of copy_into: every tensor of `state` (in place) from its place in `buf`."""
+    for path, leaf in leaves(state):
+        if isinstance(leaf, torch.Tensor):
+            local(leaf).detach().copy_(layout.view(buf, path))
