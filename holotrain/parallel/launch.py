@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +40,33 @@ def init_distributed(device_choice: str) -> DistEnv:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None,
+                                **_restart_safe_store(rank, world))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, local_world_size=local_world)
+
+
+def _restart_safe_store(rank: int, world: int) -> dict:
+    """init_process_group's store, safe across `torchrun --max-restarts`: keyword arguments ({}: torch's env://).
+
+    torchrun's agent hosts the workers' TCPStore and keeps it (and every key in it) across restarts, and env:// adds
+    no per-attempt prefix (pytorch issue #135712). A restarted rank could then read a key the previous attempt wrote,
+    such as its peer's address in gloo's connectFullMesh (init_process_group, or a new_group such as the checkpoint
+    writer's), before the restarted peer writes its own, and fail with "Connection refused"."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return {}  # not the agent's store: every attempt has a store of its own
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        # Each agent counts only the restarts its own workers' failures caused: the count cannot name the attempt.
+        if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            print("holotrain: warning: torchrun --max-restarts over several nodes keeps one store across restarts; "
+                  "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node, so that a restarted rank "
+                  "does not read the previous attempt's addresses", file=sys.stderr, flush=True)
+        return {}
+    # One agent: every worker has its TORCHELASTIC_RESTART_COUNT, so each attempt gets a key space of its own.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=dist.constants.default_pg_timeout)
+    prefix = f"holotrain/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+    return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world}
 
 
 def device_mesh(env: DistEnv, tp: int = 1):
