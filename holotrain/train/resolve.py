@@ -14,6 +14,8 @@ from holotrain.config import Config, ConfigError, batch_layout, load_config, res
 from holotrain.memory.plan import choose_offload_ratio
 from holotrain.model import Llama, LlamaArgs
 from holotrain.parallel import DistEnv
+from holotrain.precision.lever import fp8_capable, fp8_shapes
+from holotrain.precision.probe import choose as choose_fp8
 from holotrain.train.checkpoint import list_checkpoints
 from holotrain.train.snapshots import any_local
 
@@ -86,6 +88,7 @@ def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_ru
     memory.offload_ratio = "auto": the smallest ratio the memory plan fits, agreed by all ranks (the largest of
     their choices), or, when resuming, the run's own choice (the checkpoint's split of optimizer state between
     GPU and host follows it)."""
+    _resolve_fp8(cfg, env, micro)
     mem = cfg.memory
     if mem.offload_ratio != "auto":
         return cfg
@@ -110,3 +113,25 @@ def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_ru
         print(f"holotrain: memory.offload_ratio = auto -> {ratio:g} (the smallest share of the optimizer on the CPU "
               "that the memory plan fits)")
     return cfg
+
+
+def _resolve_fp8(cfg: Config, env: DistEnv, micro: int) -> None:
+    """training.fp8 = "auto": tensorwise where this GPU's FP8 GEMMs, measured at the job's shapes, pay (every rank
+    measures its own GPU; FP8 goes on only if it pays on all), else none; one line says which and why."""
+    t = cfg.training
+    if t.fp8 != "auto":
+        return
+    reason = fp8_capable(env.device)
+    choice = "none"
+    if reason is None:
+        with torch.device("meta"):
+            model = Llama(model_args(cfg))
+        choice, reason = choose_fp8(fp8_shapes(model, t.fp8_skip), micro * cfg.data.seq_len, env.device)
+    if env.world_size > 1:
+        on = torch.tensor([int(choice != "none")], device=env.device)
+        dist.all_reduce(on, op=dist.ReduceOp.MIN)
+        if choice != "none" and not on.item():
+            choice, reason = "none", "FP8 does not pay on another rank's GPU"
+    t.fp8 = choice
+    if env.is_main:
+        print(f"holotrain: training.fp8 = auto -> {choice} ({reason})")

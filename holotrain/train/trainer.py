@@ -26,6 +26,7 @@ from holotrain.memory import build as build_memory
 from holotrain.memory import build_optimizer as _build_optimizer
 from holotrain.model import Llama, flops_per_token, num_params
 from holotrain.optim import AdamWHyper, StepOptimizer
+from holotrain.precision import build as build_precision
 from holotrain.parallel import DistEnv, init_distributed
 from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
@@ -49,9 +50,11 @@ DATA_STATE = "data_state.json"
 def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: Memory | None = None,
                 par: Parallel | None = None) -> torch.nn.Module:
     """Builds the plain model with seeded weights, then applies the levers from outside: tensor parallelism,
-    the memory lever's compute choices, compilation, FSDP2. `cfg` must be resolved (no "auto" offload ratio)."""
+    FP8 linear layers, the memory lever's compute choices, compilation, FSDP2. `cfg` must be resolved (no "auto"
+    offload ratio or fp8)."""
     memory = memory or build_memory(cfg.memory, env)
     par = par or build_parallel(cfg.parallel, env)
+    precision = build_precision(cfg.training, env, data_parallel_size(cfg, env))
     # Built on "meta" (no memory), wrapped by the levers, placed (sharded, if FSDP), and only then
     # initialized: a 7B model never exists whole in host memory, and the seed alone decides the weights.
     with torch.device("meta"):
@@ -59,6 +62,9 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
     # A plan that cannot fit GPU or host memory is refused now, with the numbers, not by an OOM later.
     memory.check_fit(model, cfg, *batch_layout(cfg, data_parallel_size(cfg, env)))
     par.apply_tp(model)
+    precision.apply(model)
+    if env.is_main and precision.describe():
+        print(f"holotrain: {precision.describe()}", flush=True)
     memory.apply(model, vocab_parallel_loss=cfg.parallel.tp > 1)
     if cfg.training.compile:
         compile_regions(model)

@@ -1,0 +1,98 @@
+"""FP8 training as a lever: torchao's float8 linear layers swapped in from outside the model, before compilation
+and FSDP2, for the layers a name filter admits (training.fp8_skip keeps the output head and any other named layer
+in the compute dtype). The swapped layers keep their weights as ordinary parameters in the model's dtype, so
+checkpoints do not change: a run resumes with FP8 switched on or off, and export writes normal weights.
+
+Recipes (torchao): "tensorwise" scales each tensor by one number (with FSDP2 the weights are all-gathered in FP8);
+"rowwise" scales each row, more accurate and slower at small shapes. "auto" is resolved before the model is built
+(precision/probe.py): FP8 on only where this GPU's FP8 GEMMs, measured at the layer's shapes, beat bf16."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import TYPE_CHECKING
+
+import torch
+
+from holotrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from holotrain.config import TrainingConfig
+    from holotrain.parallel import DistEnv
+
+RECIPES = ("tensorwise", "rowwise")
+
+
+def fp8_capable(device: torch.device) -> str | None:
+    """Why `device` cannot run FP8 matmuls, or None when it can (compute capability 8.9 or later)."""
+    if device.type != "cuda":
+        return f"{device.type} has no FP8 matmuls"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}) has no FP8 matmuls (sm_89 or later)"
+    return None
+
+
+def admitted(module: torch.nn.Module, fqn: str, skip: list[str]) -> bool:
+    """A linear layer goes FP8 unless a training.fp8_skip pattern names it; FP8 GEMMs need both of its dimensions to
+    be multiples of 16."""
+    if not isinstance(module, torch.nn.Linear):
+        return False
+    if any(fnmatch.fnmatchcase(fqn, pattern) for pattern in skip):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def fp8_shapes(model: torch.nn.Module, skip: list[str]) -> dict[tuple[int, int], int]:
+    """(in, out) -> how many linear layers of that shape would go FP8."""
+    shapes: dict[tuple[int, int], int] = {}
+    for fqn, module in model.named_modules():
+        if admitted(module, fqn, skip):
+            key = (module.in_features, module.out_features)
+            shapes[key] = shapes.get(key, 0) + 1
+    return shapes
+
+
+class Precision:
+    def __init__(self, section: TrainingConfig, env: DistEnv, data_parallel: int):
+        self.recipe, self.skip, self.emulate = section.fp8, list(section.fp8_skip), section.fp8_emulate
+        self.data_parallel = data_parallel
+        if self.recipe == "auto":
+            raise ValueError("training.fp8 = 'auto' must be resolved before the lever is built (train/resolve.py)")
+        if self.recipe != "none" and not self.emulate:
+            reason = fp8_capable(env.device)
+            if reason is not None:
+                raise ConfigError(f"training.fp8 = {self.recipe!r}: {reason}; set training.fp8 = 'none' or 'auto'")
+        self.converted: list[str] = []
+
+    def apply(self, model: torch.nn.Module) -> None:
+        """Swaps the admitted linear layers for torchao's Float8Linear (on the meta or real model, in place)."""
+        if self.recipe == "none":
+            return
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError as e:
+            raise ConfigError(f"training.fp8 = {self.recipe!r} needs torchao: pip install 'holotrain[fp8]' "
+                              f"({e.__class__.__name__}: {e})") from None
+        # FSDP2 all-gathers the weights already cast to FP8 (half the bytes of bf16), where torchao supports it.
+        gather_fp8 = self.recipe == "tensorwise" and self.data_parallel > 1
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulate,
+                                     enable_fsdp_float8_all_gather=gather_fp8)
+
+        def admit(module: torch.nn.Module, fqn: str) -> bool:
+            ok = admitted(module, fqn, self.skip)
+            if ok:
+                self.converted.append(fqn)
+            return ok
+
+        convert_to_float8_training(model, module_filter_fn=admit, config=config)
+
+    def describe(self) -> str | None:
+        if self.recipe == "none":
+            return None
+        return f"fp8 {self.recipe} on {len(self.converted)} linear layers" + (" (emulated)" if self.emulate else "")
+
+
+def build(section: TrainingConfig, env: DistEnv, data_parallel: int) -> Precision:
+    return Precision(section, env, data_parallel)
