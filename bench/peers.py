@@ -1,7 +1,8 @@
 """holotrain against its peers on one GPU, in one process, on the same tokens with the same optimizer.
 
 Peers: Hugging Face Transformers LlamaForCausalLM (sdpa attention), and a plain PyTorch Llama written
-below, run eager and under torch.compile. All run bf16 autocast over fp32 weights, fused AdamW, gradient
+below, run eager, under torch.compile, and under torch.compile with torchao's float8 training (compile-float8,
+tensorwise, the head in bf16; against holotrain-fp8). All run bf16 autocast over fp32 weights, fused AdamW, gradient
 clipping at 1.0, on the same pre-drawn random token batches. Per variant: warm-up steps, then CUDA-event
 timed steps; the median step gives tokens/s and MFU (dense bf16 peak of the device, FLOPs counted by
 holotrain.model.flops_per_token for every variant), with peak memory and, where NVML is present,
@@ -121,16 +122,21 @@ def build_variant(name: str, a, device):
         model.config.use_cache = False
         opt = adamw(model)
         return peer_step(model, opt, lambda m, x, y: m(input_ids=x, labels=x).loss), (model, opt)
-    if name in ("eager", "compile"):
+    if name in ("eager", "compile", "compile-float8"):
         model = PlainLlama(a.dim, a.n_layers, a.n_heads, a.ffn_dim, a.vocab_size, a.max_seq_len).to(device)
+        if name == "compile-float8":  # what a user adds to the plain loop: torchao float8, the head left in bf16
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                                       module_filter_fn=lambda m, fqn: fqn != "head")
         opt = adamw(model)
-        fwd = torch.compile(model) if name == "compile" else model
+        fwd = torch.compile(model) if name.startswith("compile") else model
         return peer_step(fwd, opt, lambda m, x, y: m(x, y)), (model, opt)
     if name.startswith("holotrain"):
         # holotrain as the trainer runs it: its model, its levers, its optimizer and its step.
         # "holotrain-a-b" switches levers off or picks kernels, to show what each one gives.
         switches = set(name.split("-")[1:])
-        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune"}
+        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune", "fp8"}
         if unknown:
             raise SystemExit(f"unknown holotrain switches {sorted(unknown)}")
         overrides = [
@@ -139,6 +145,8 @@ def build_variant(name: str, a, device):
         ]
         for kernel in switches & {"flash", "cudnn"}:
             overrides.append(f"--training.attention={kernel}")
+        if "fp8" in switches:
+            overrides.append("--training.fp8=tensorwise")
         cfg = load_config(None, overrides)
         resolve(cfg, tokenizer_vocab=a.vocab_size)
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)

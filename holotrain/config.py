@@ -107,7 +107,7 @@ class TrainingConfig(_Section):
     # (fnmatch) of linear layers kept in the compute dtype. fp8_emulate: FP8 numerics without FP8 hardware (slow;
     # for tests on a CPU).
     fp8: str = "none"
-    fp8_skip: list = field(default_factory=lambda: ["output"])
+    fp8_skip: list[str] = field(default_factory=lambda: ["output"])
     fp8_emulate: bool = False
 
 
@@ -169,7 +169,7 @@ class MemoryConfig(_Section):
     # thread running Python all through the step, each of those waits up to one interval, native threads idle.
     offload_gil_switch_ms: float = 0.25
     check_fit: bool = True  # refuse, before training starts, a plan that cannot fit GPU or host memory
-    # The loss in pieces of this many tokens, each recomputed in backward (only one piece's fp32 logits alive).
+    # The head and the loss fused, in pieces of this many tokens (model/head.py: one piece's fp32 logits alive).
     # 0 = auto: 8192 with activation checkpointing (memory first), else the whole micro-batch at once.
     loss_chunk_tokens: int = 0
 
@@ -248,6 +248,15 @@ def _int_list(key: str, value: Any) -> list[int]:
     return value
 
 
+def _str_list(key: str, value: Any) -> list[str]:
+    """A list of names from TOML (["output", "layers.*.wq"]) or the command line ("output,layers.0.*")."""
+    if isinstance(value, str):
+        value = [x.strip().strip("'\"") for x in value.strip().strip("[]").split(",") if x.strip()]
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ConfigError(f"{key}: expected a list of names, got {value!r}")
+    return value
+
+
 def _type_name(typ: Any) -> str:
     """'float', or for a union such as float | str: 'float or str'."""
     args = typing.get_args(typ)
@@ -258,6 +267,8 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise ConfigError naming the key."""
     if typ is list:
         return _int_list(key, value)
+    if typing.get_origin(typ) is list:
+        return _str_list(key, value)
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         try:
@@ -452,7 +463,6 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(t.log_every > 0, f"training.log_every must be positive, got {t.log_every}")
     need(t.fp8 in ("none", "tensorwise", "rowwise", "auto"),
          f"training.fp8 must be none, tensorwise, rowwise or auto, got {t.fp8!r}")
-    need(all(isinstance(x, str) for x in t.fp8_skip), f"training.fp8_skip must be a list of names, got {t.fp8_skip!r}")
     need(not (t.fp8 in ("tensorwise", "rowwise") and cfg.job.device == "cpu" and not t.fp8_emulate),
          f"training.fp8 = {t.fp8!r} needs a GPU with FP8 (compute capability 8.9 or later); job.device is cpu")
     need(not (t.fp8 != "none" and cfg.parallel.tp > 1),

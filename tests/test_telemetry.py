@@ -555,3 +555,28 @@ def test_job_energy_sums_every_sampler(tmp_path, has_sampler):
     # Each sampler's window ends just before its counter is read again: the job's sum over 2 steps matches.
     assert per_step * 2 == pytest.approx(sum(r["mine"] for r in results), rel=0.1)
     assert per_step > 0
+
+
+def test_the_runs_energy_per_token_comes_from_counter_totals_after_the_first_interval():
+    """energy.run_j_per_token: the joules of every interval after the first (compilation) over their tokens, not a
+    mean of the intervals' own J/token (which NVML's coarse counter makes swing)."""
+    import torch
+
+    from holotrain.config import HwConfig
+    from holotrain.hw.lever import Hardware
+    from holotrain.parallel import DistEnv
+
+    class Windows:
+        def __init__(self, joules):
+            self.joules = iter(joules)
+
+        def window(self):
+            return {"energy.joules": next(self.joules)}
+
+    hw = Hardware(HwConfig(), DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), ".")
+    hw.telemetry = Windows([5000.0, 900.0, 1300.0, 1100.0])
+    rows = [hw.metrics(steps, tokens_per_step=100) for steps in (1, 10, 10, 10)]
+    assert rows[0]["energy.run_j_per_token"] is None  # only the first interval so far
+    assert rows[1]["energy.run_j_per_token"] == pytest.approx(900.0 / 1000)
+    assert rows[-1]["energy.run_j_per_token"] == pytest.approx((900.0 + 1300.0 + 1100.0) / 3000)
+    assert rows[-1]["energy.j_per_token"] == pytest.approx(1100.0 / 1000)

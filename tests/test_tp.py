@@ -23,6 +23,27 @@ def test_tp_layers_match_dense():
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "TP WORKER OK" in proc.stdout, f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    assert "terminate called" not in proc.stderr, proc.stderr[-6000:]
+
+
+@pytest.mark.slow
+def test_tp_worker_processes_exit_cleanly_every_time():
+    """Regression: the TP workers once aborted after passing ("terminate called without an active exception",
+    SIGABRT) because their gloo group outlived dist.destroy_process_group() (kept by a DeviceMesh that DTensor's
+    caches keep) and a gloo thread freed a tensor during interpreter shutdown. Three launches at once (load widens
+    that race), each of 2 ranks going twice through init, a TP model, a DTensor gather and
+    holotrain.parallel.teardown.destroy_process_groups(), which must leave no group and no gloo thread: every
+    rank exits 0, and no abort."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/tp_worker.py",
+           "--teardown", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]
+    for i, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=300)
+        why = f"launch {i} exited {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}"
+        assert proc.returncode == 0 and "TEARDOWN OK" in out, why
+        assert "terminate called" not in err and "gloo threads still running" not in err, why
 
 
 @pytest.mark.slow
@@ -117,9 +138,20 @@ def test_fused_kernels_compile_without_spills():
 
 
 def _symm_worker(rank: int, world: int, tmp: str, port: int) -> None:
-    """Each rank's "symmetric buffer" is a shared file mapped by every rank (the CPU stand-in for symmetric memory)."""
+    """Runs the checks, then ends the process group from a frame that holds none of their objects (a caught
+    exception's frames keep collectives' work alive, and with them the gloo threads that would abort the process
+    at interpreter shutdown)."""
+    from holotrain.parallel.teardown import destroy_process_groups, leftover_backend_threads
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    _symm_checks(rank, world, tmp)
+    left = destroy_process_groups()
+    assert not left and not leftover_backend_threads(), (left, leftover_backend_threads())
+
+
+def _symm_checks(rank: int, world: int, tmp: str) -> None:
+    """Each rank's "symmetric buffer" is a shared file mapped by every rank (the CPU stand-in for symmetric memory)."""
     from holotrain.parallel import symm
 
     group, cpu, nbytes = dist.group.WORLD, torch.device("cpu"), 3 * symm.SYMM_HEADER + 12
@@ -169,7 +201,6 @@ def _symm_worker(rank: int, world: int, tmp: str, port: int) -> None:
         symm.agree_symm_size(group, 4096 + rank, cpu, "differing")
     dist.barrier()
     del other
-    dist.destroy_process_group()
 
 
 def test_symmetric_memory_self_test_protocol(tmp_path):

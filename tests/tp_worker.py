@@ -1,8 +1,18 @@
 """Run by tests/test_tp.py under torchrun (2 gloo ranks): every tensor-parallel piece against its dense
-computation, forward and backward. Prints 'TP WORKER OK' when all checks pass."""
+computation, forward and backward. Prints 'TP WORKER OK' when all checks pass.
 
+With --teardown CYCLES: the process-group teardown alone, CYCLES times in the process (init, a TP model's forward
+and backward, a DTensor gathered, then holotrain's teardown); prints 'TEARDOWN OK' when every cycle left no
+group and no gloo thread behind.
+
+Either way the process ends with holotrain.parallel.teardown.destroy_process_groups() and fails (exit 1) if a
+process group or a gloo thread outlives it: one still running at interpreter shutdown can abort the process
+(SIGABRT, "terminate called without an active exception") after every check passed."""
+
+import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -16,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from holotrain.config import ParallelConfig  # noqa: E402
 from holotrain.model import Llama, LlamaArgs  # noqa: E402
 from holotrain.parallel.overlap import TPComm, ag_linear, linear_rs  # noqa: E402
+from holotrain.parallel.teardown import destroy_process_groups, leftover_backend_threads  # noqa: E402
 from holotrain.parallel.tp import _VocabParallelCrossEntropy, apply_tp  # noqa: E402
 
 
@@ -115,9 +126,65 @@ def main():
     dist.barrier()
     if rank == 0:
         print("TP WORKER OK", flush=True)
-    dist.destroy_process_group()
+    # The process groups are destroyed by the caller, once this frame (the models, meshes, TPComm) is gone.
+
+
+def teardown_cycle(cycle: int) -> None:
+    """One process-group lifetime with everything that holds a group past dist.destroy_process_group(): a
+    DeviceMesh (its group registry) kept by DTensor's caches, a TP model (its bound forwards hold the TPComm),
+    and a collective as the last operation."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False)
+    # A key space of its own per cycle: a rank re-joining must not read the previous cycle's addresses.
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"teardown-{cycle}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    W = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("tp",))
+    args = LlamaArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=16, vocab_size=16, max_seq_len=8)
+    with torch.device("meta"):
+        model = Llama(args)
+    apply_tp(model, mesh, ParallelConfig(tp=W, tp_overlap="none"))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=cycle)
+    g = torch.Generator().manual_seed(cycle)
+    tokens = torch.randint(0, 16, (2, 8), generator=g)
+    model(tokens, tokens).backward()
+    model.output.weight.grad.full_tensor()
+    t = torch.ones(3)
+    dist.all_reduce(t)  # the last work: its tensor has a Python object
+    assert t.eq(W).all(), t
+
+
+def check_teardown(tag: str) -> bool:
+    """holotrain's teardown; False (with the reason on stderr) if a group or a gloo thread outlived it."""
+    left, threads = destroy_process_groups(), leftover_backend_threads()
+    if left or threads:
+        print(f"rank {os.environ.get('RANK')} {tag}: process groups alive after teardown: {left or 'none'}; gloo "
+              f"threads still running: {threads or 'none'}", file=sys.stderr, flush=True)
+    return not left and not threads
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--teardown", type=int, default=0, metavar="CYCLES")
+    a = parser.parse_args(argv)
+    ok = True
+    try:
+        if a.teardown:
+            for cycle in range(a.teardown):
+                teardown_cycle(cycle)
+                ok = check_teardown(f"cycle {cycle}") and ok
+            if ok and os.environ.get("RANK") == "0":
+                print("TEARDOWN OK", flush=True)
+        else:
+            main()
+    except Exception:
+        traceback.print_exc()
+        ok = False
+    # Here, with main's frame and any traceback gone, nothing of ours holds a process group.
+    return 0 if check_teardown("exit") and ok else 1
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    sys.exit(run(sys.argv[1:]))

@@ -25,6 +25,9 @@ class Hardware:
         self.section, self.env, self.run_dir = section, env, Path(run_dir)
         self.telemetry = None
         self._control = contextlib.ExitStack()
+        # The run's energy from counter totals over the timed steps (the first interval, with compilation, left
+        # out): NVML's counter moves in coarse steps, so one interval's J/token swings by +-20%, the run's does not.
+        self._intervals, self._run_joules, self._run_tokens = 0, 0.0, 0
 
     def start(self) -> None:
         self.telemetry = self._start_telemetry()
@@ -40,8 +43,9 @@ class Hardware:
             self.telemetry.mark(step)
 
     def metrics(self, steps: int, tokens_per_step: int) -> dict:
-        """Per-step energy of every GPU in the job (summed over samplers) and the clock/power figures this rank
-        sampled. Collective with several ranks: every rank calls it at the same step."""
+        """Per-step energy of every GPU in the job (summed over samplers), the run's J/token so far (counter totals
+        since the first interval), and the clock/power figures this rank sampled. Collective with several ranks:
+        every rank calls it at the same step."""
         window = self.telemetry.window() if self.telemetry is not None else {}
         joules = window.get("energy.joules")
         if self.env.world_size > 1:
@@ -53,9 +57,14 @@ class Hardware:
             total, samplers = value.tolist()
             joules = total if samplers > 0 and math.isfinite(total) else None
         per_step = joules / steps if joules is not None else None
+        if joules is not None and self._intervals > 0:
+            self._run_joules += joules
+            self._run_tokens += steps * tokens_per_step
+        self._intervals += 1
         return {
             "energy.joules": per_step,
             "energy.j_per_token": per_step / tokens_per_step if per_step is not None else None,
+            "energy.run_j_per_token": self._run_joules / self._run_tokens if self._run_tokens else None,
             **{k: window.get(k) for k in HW_FIELDS},
         }
 

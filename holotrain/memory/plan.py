@@ -128,7 +128,7 @@ def gpu_available_bytes(device: torch.device) -> int:
 
 def chunk_tokens(section) -> int:
     """memory.loss_chunk_tokens with auto (0) resolved: 8192 under activation checkpointing (memory first), else 0
-    (the whole micro-batch at once: no recomputed head)."""
+    (the whole micro-batch at once)."""
     n = section.loss_chunk_tokens
     if n == 0 and section.activation_checkpointing != "none":
         n = 8192

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from holotrain.model.head import fused_linear_cross_entropy, piece as head_piece
 
 
 @dataclass
@@ -190,8 +191,10 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.residual_in_autocast_dtype = True
-        # > 0: the loss is taken in pieces of this many tokens, each recomputed in backward (see `loss`).
+        # > 0: the head and the loss are fused and taken in pieces of this many tokens (see `loss`); loss_piece
+        # computes one piece (compiled from outside like the blocks).
         self.loss_chunk_tokens = 0
+        self.loss_piece = head_piece
         if not self.output.weight.is_meta:  # a model built on "meta" is initialized after placement
             self.init_weights()
 
@@ -268,20 +271,17 @@ class Llama(nn.Module):
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and mean cross-entropy (in fp32) over targets other than -100.
 
-        With `loss_chunk_tokens` > 0 and more tokens than that, the tokens are taken in pieces of that many, each
-        recomputed in backward: the fp32 logits (and their gradient) of only one piece are alive at a time, not
-        the micro-batch's (a 7B's micro-batch of 12 x 2048 tokens: ~6 GB less). The result is the same mean.
+        With `loss_chunk_tokens` > 0 and more tokens than that, the head and the cross-entropy are fused and taken
+        in pieces of that many tokens (model/head.py): the fp32 logits of only one piece exist at a time, in forward
+        and backward, and nothing is recomputed (a 1.4b's micro-batch of 16 x 2048 tokens: ~10 GB less). The
+        result is the same mean.
         """
         h, targets = h.flatten(0, 1), targets.flatten(0, 1)
         n = self.loss_chunk_tokens
         if n <= 0 or h.shape[0] <= n:
             total, count = self.loss_sum(h, targets)
         else:
-            total = count = 0
-            for lo in range(0, h.shape[0], n):
-                piece_total, piece_count = torch.utils.checkpoint.checkpoint(
-                    self.loss_sum, h[lo:lo + n], targets[lo:lo + n], use_reentrant=False)
-                total, count = total + piece_total, count + piece_count
+            total, count = fused_linear_cross_entropy(self.norm(h), self.output.weight, targets, n, self.loss_piece)
         return total / count
 
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

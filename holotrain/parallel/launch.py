@@ -87,5 +87,10 @@ def device_mesh(env: DistEnv, tp: int = 1):
 
 
 def destroy_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroys every process group and joins the backends' threads (parallel/teardown.py): a group kept by a
+    DeviceMesh past dist.destroy_process_group() can abort the process at interpreter shutdown."""
+    from holotrain.parallel.teardown import destroy_process_groups
+
+    left = destroy_process_groups()
+    if left:
+        print(f"holotrain: warning: process groups still alive after teardown: {', '.join(left)}", file=sys.stderr)

@@ -80,7 +80,7 @@ def compile_regions(model: torch.nn.Module) -> None:
     for block in model.layers.values():
         block.compile()
     if model.loss_chunk_tokens:
-        model.loss_sum = torch.compile(model.loss_sum)
+        model.loss_piece = torch.compile(model.loss_piece)
     else:
         model.loss = torch.compile(model.loss)
 

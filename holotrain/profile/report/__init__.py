@@ -74,7 +74,11 @@ def write_report(run_dir) -> Path:
         tokens_per_s = _mean(r.get("tokens_per_s") for r in steady)
     mfu = _weighted_mean((r.get("mfu"), w) for r, w in weights)
     tflops = _weighted_mean((r.get("tflops"), w) for r, w in weights)
-    j_per_token = _weighted_mean((r.get("energy.j_per_token"), w) for r, w in weights)
+    # The run's own figure (counter totals over the timed steps) where the last row has it.
+    j_per_token = next((_num(r.get("energy.run_j_per_token")) for r in reversed(rows)
+                        if _num(r.get("energy.run_j_per_token")) is not None), None)
+    if j_per_token is None:
+        j_per_token = _weighted_mean((r.get("energy.j_per_token"), w) for r, w in weights)
     final_loss = next((_num(r.get("loss")) for r in reversed(rows) if _num(r.get("loss")) is not None), None)
 
     # devices: telemetry headers, else the probe, else the config
