@@ -362,3 +362,38 @@ def test_killed_plane_is_restarted_with_identical_samples(tmp_path):
     assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in ref]
     assert rows[-1]["data.plane_restarts"] == 1
     assert (run_dir / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
+
+
+def test_a_killed_trainer_leaves_no_shared_memory_blocks_behind(tmp_path):
+    """SIGKILL of the training process: its plane notices, stops its loaders and removes every block named for
+    it (batches prefetched or being handed over, chunks in flight); a plane killed as well is swept by the next
+    run's plane when it starts."""
+    from holotrain.data.plane import shm_prefix
+    from tests.conftest import REPO, run_cli, tiny_args
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    run_dir = tmp_path / "killed"
+    args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 10})]
+    prefix = shm_prefix(run_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "holotrain.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics, seen, deadline = run_dir / "metrics.jsonl", 0, time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        seen = max(seen, len(list(shm.glob(f"{prefix}*"))))  # the plane's blocks carry the run's prefix
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 5 and seen:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and seen, (proc.returncode, seen)
+    deadline = time.time() + 20
+    while list(shm.glob(f"{prefix}*")) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not list(shm.glob(f"{prefix}*"))
+    # A block left by a plane that could not clean up (killed too) goes when the next plane of the run starts.
+    stale = shm / f"{prefix}stale"
+    stale.write_bytes(b"x" * 64)
+    run_cli(*args)
+    assert not stale.exists() and not list(shm.glob(f"{prefix}*"))

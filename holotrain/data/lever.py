@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from holotrain.data.client import DataClient, plane_address, start_plane
 from holotrain.data.corpus import EOS, PAD
-from holotrain.data.plane import PlaneSpec
+from holotrain.data.plane import PlaneSpec, shm_prefix
 from holotrain.jsonl import truncate_jsonl
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class Data:
             tp=layout.tp, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
             chunk_bytes=int(section.chunk_mb * 2**20), prefetch_steps=section.prefetch_steps,
             balance=section.balance, shuffle=section.shuffle, log_samples=section.log_samples,
-            backend=section.backend, ray_address=section.ray_address,
+            backend=section.backend, ray_address=section.ray_address, shm_prefix=shm_prefix(run_dir),
         )
         address, key = plane_address(run_dir)
         owner = env.local_rank == 0  # starts this node's plane, and restarts it if it dies

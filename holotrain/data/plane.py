@@ -15,6 +15,7 @@ This module must not import torch: the service process stays small.
 from __future__ import annotations
 
 import multiprocessing as mp
+import hashlib
 import os
 import threading
 import time
@@ -29,7 +30,7 @@ import numpy as np
 from holotrain.data.mixture import Mixture
 from holotrain.data.packing import Packer, balance, sample_arrays
 from holotrain.data.sources import SourceConfig, plan_chunks, source_files
-from holotrain.data.worker import block_views, start_light, worker_main
+from holotrain.data.worker import block_views, new_block, start_light, worker_main
 from holotrain.errors import ConfigError
 
 
@@ -57,6 +58,7 @@ class PlaneSpec:
     backend: str = "local"  # local processes, or "ray" actors
     ray_address: str = ""  # empty: start a Ray instance on this node
     tp: int = 1  # ranks per tensor-parallel group: ranks tp*i .. tp*i+tp-1 are data-parallel rank i, one batch
+    shm_prefix: str = ""  # names this plane's shared-memory blocks (shm_prefix()); empty: random names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ class LoaderPool:
         proc = self.ctx.Process(
             target=worker_main, daemon=True,
             args=(self._next_id, [str(f) for f in self.files[source]], src.text_field, self.spec.tokenizer_path,
-                  self.spec.eos_id, tasks, self.results, os.getpid()),
+                  self.spec.eos_id, tasks, self.results, os.getpid(), self.spec.shm_prefix),
         )
         start_light(proc)
         w = _Worker(proc, source, tasks)
@@ -209,8 +211,30 @@ class LoaderPool:
                 if w.proc.is_alive():
                     w.proc.terminate()
             leftovers, self.ready = list(self.ready.values()), {}
+        for w in self.workers.values():
+            w.proc.join(timeout=2)  # a worker still writing a chunk would leave its block behind
         for res in leftovers:
             _unlink(res["shm"])
+
+
+def shm_prefix(run_dir: Path) -> str:
+    """The prefix of the shared-memory blocks of the run directory's data plane on this node."""
+    return "ht" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10] + "_"
+
+
+def sweep_blocks(prefix: str) -> int:
+    """Removes every shared-memory block named with `prefix` (Linux: /dev/shm); returns how many. Blocks in
+    flight when a plane died, or when its training process was killed, are found this way and not leaked."""
+    if not prefix or not os.path.isdir("/dev/shm"):
+        return 0
+    removed = 0
+    for path in Path("/dev/shm").glob(f"{prefix}*"):
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def _unlink(name: str) -> None:
@@ -362,10 +386,10 @@ class Constructor:
 # The service process
 
 
-def _put_arrays(arrays: tuple[np.ndarray, ...], accum: int, micro: int) -> dict:
+def _put_arrays(arrays: tuple[np.ndarray, ...], accum: int, micro: int, prefix: str) -> dict:
     """One shared block per rank and step: inputs, targets, doc ids as int32 [accum, micro, T]."""
     stacked = np.stack([a.reshape(accum, micro, -1) for a in arrays]).astype(np.int32)
-    shm = shared_memory.SharedMemory(create=True, size=stacked.nbytes)
+    shm = new_block(stacked.nbytes, prefix)
     np.ndarray(stacked.shape, dtype=np.int32, buffer=shm.buf)[:] = stacked
     name = shm.name
     shm.close()
@@ -388,6 +412,7 @@ def plane_main(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None
 
 
 def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, parent_pid: int) -> None:
+    sweep_blocks(spec.shm_prefix)  # a previous plane of this run that was killed left these behind
     files = [source_files(s) for s in spec.sources]
     if spec.backend == "ray":
         from holotrain.data.ray_backend import RayLoaderPool
@@ -420,7 +445,7 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
                 step_index = constructor.step
                 out = constructor.produce()
                 entry = {
-                    "ranks": {r: {**_put_arrays(v["arrays"], spec.accum, spec.micro_batch), "samples": v["samples"]}
+                    "ranks": {r: {**_put_arrays(v["arrays"], spec.accum, spec.micro_batch, spec.shm_prefix), "samples": v["samples"]}
                               for r, v in out["ranks"].items()},
                     "state": constructor.state_dict(),
                     "stats": {**constructor.stats(), "cost_max_over_mean": out["cost_max_over_mean"],
@@ -479,13 +504,16 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
                 return
             threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
-    threading.Thread(target=producer, daemon=True).start()
+    producing = threading.Thread(target=producer, daemon=True)
+    producing.start()
     threading.Thread(target=accept, daemon=True).start()
     while not stop.wait(0.5):
         if os.getppid() != parent_pid:  # the training process is gone: so is the plane
             stop.set()
+    producing.join(timeout=10)  # a step being produced now would otherwise leave its blocks behind
     pool.close()
     for entry in produced.values():
         for r in entry["ranks"].values():
             _unlink(r["shm"])
+    sweep_blocks(spec.shm_prefix)  # and any other block still named for this plane: no one will read it now
     listener.close()

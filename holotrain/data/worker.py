@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import sys
 import traceback
 from multiprocessing import resource_tracker, shared_memory
@@ -53,7 +54,7 @@ def start_light(proc) -> None:
 
 
 def worker_main(worker_id: int, files: list[str], text_field: str, tokenizer_path: str, eos_id: int,
-                tasks, results, parent_pid: int) -> None:
+                tasks, results, parent_pid: int, shm_prefix: str = "") -> None:
     # One core per worker: the plane scales by workers, so the tokenizer must not fan out threads itself.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
@@ -71,7 +72,8 @@ def worker_main(worker_id: int, files: list[str], text_field: str, tokenizer_pat
             return
         chunk, epoch = task
         try:
-            results.put(("chunk", worker_id, load_chunk(chunk, epoch, paths, text_field, tokenizer, eos_id)))
+            results.put(("chunk", worker_id, load_chunk(chunk, epoch, paths, text_field, tokenizer, eos_id,
+                                                         shm_prefix)))
         except Exception as e:  # a bad file fails the same way every time: report it, do not die and retry
             kind = "config_error" if isinstance(e, ConfigError) else "error"
             results.put((kind, worker_id, {"source": chunk.source, "epoch": epoch, "index": chunk.index,
@@ -96,10 +98,17 @@ def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, 
     return tokens, starts, keys, text
 
 
-def load_chunk(chunk: Chunk, epoch: int, paths: list[Path], text_field: str, tokenizer, eos_id: int) -> dict:
+def new_block(size: int, prefix: str = "") -> shared_memory.SharedMemory:
+    """A shared-memory block named with the plane's prefix (random otherwise), so that the blocks a killed run
+    left behind can be found and removed (plane.sweep_blocks)."""
+    return shared_memory.SharedMemory(create=True, size=size, name=f"{prefix}{secrets.token_hex(8)}" if prefix else None)
+
+
+def load_chunk(chunk: Chunk, epoch: int, paths: list[Path], text_field: str, tokenizer, eos_id: int,
+               shm_prefix: str = "") -> dict:
     tokens, starts, keys, text = tokenize_chunk(chunk, paths, text_field, tokenizer, eos_id)
     n_tokens, n_docs = len(tokens), len(keys)
-    shm = shared_memory.SharedMemory(create=True, size=block_size(n_tokens, n_docs))
+    shm = new_block(block_size(n_tokens, n_docs), shm_prefix)
     for dst, src in zip(block_views(shm.buf, n_tokens, n_docs), (tokens, starts, keys)):
         dst[:] = src
     name = shm.name
