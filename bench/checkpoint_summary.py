@@ -58,10 +58,16 @@ def main(out: Path) -> None:
                   f"{after[-1].get('goodput.recovery_s')}")
         else:
             print(f"memkill: no new step after the restart (resume line: {m.group(0) if m else None})")
-    off = rows(out, "offload")
-    if off:
-        print(f"offload: blocking per save (step, s) {saves(off)}; background writes (s) "
-              f"{[x['checkpoint.write_s'] for x in off if x.get('checkpoint.write_s')]}")
+    none = rows(out, "offnone")
+    for name in ("offload", "offmem"):
+        off = rows(out, name)
+        if off:
+            print(f"{name}: blocking per save (step, s) {saves(off)}; background writes (s) "
+                  f"{[x['checkpoint.write_s'] for x in off if x.get('checkpoint.write_s')]}")
+            if none:
+                a, b = training_rate(none, 10), training_rate(off, 10)
+                print(f"{name}: tokens/s over steps 11-60 {b:,.0f} against {a:,.0f} without checkpoints "
+                      f"(ratio {b / a:.3f})")
 
 
 if __name__ == "__main__":

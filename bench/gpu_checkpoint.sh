@@ -7,6 +7,8 @@
 #   memkill  in-memory snapshots every 10 steps; the trainer is SIGKILLed after step 65 and the same command run
 #            again: process start to the first new step, and the steps lost
 #   offload  memory.offload = true (states in host memory), 60 steps, a disk save every 30
+#   offnone  the same without checkpoints: the reference tokens/s for offload
+#   offmem   offload with a disk save every 30 and an in-memory snapshot every 10
 # Usage (repo root, on the GPU machine): bash bench/gpu_checkpoint.sh OUT_DIR [PARTS]
 set -uo pipefail
 out=${1:?output directory}
@@ -42,9 +44,15 @@ PY
             date +%s.%N > "$out/memkill.start"
             timeout 200 "${train[@]}" "${args[@]}" > "$out/memkill-resume.log" 2>&1
             cp /tmp/ck-mem/metrics.jsonl "$out/memkill.jsonl"; rm -rf /tmp/ck-mem ;;
-    offload) timeout 240 "${train[@]}" --memory.offload=true --training.steps=60 --checkpoint.every=30 \
-              --checkpoint.keep=1 --job.run_dir=/tmp/ck-offload > "$out/offload.log" 2>&1
-            cp /tmp/ck-offload/metrics.jsonl "$out/offload.jsonl"; rm -rf /tmp/ck-offload ;;
+    offload|offnone|offmem)
+            case $part in
+              offload) ck=(--checkpoint.every=30) ;;
+              offnone) ck=(--checkpoint.every=0 --checkpoint.save_final=false) ;;
+              offmem) ck=(--checkpoint.every=30 --checkpoint.memory_every=10) ;;
+            esac
+            timeout 240 "${train[@]}" --memory.offload=true --training.steps=60 --training.log_every=1 \
+              --checkpoint.keep=1 "${ck[@]}" --job.run_dir=/tmp/ck-$part > "$out/$part.log" 2>&1
+            cp /tmp/ck-$part/metrics.jsonl "$out/$part.jsonl"; rm -rf /tmp/ck-$part ;;
   esac
   echo "== $part: rc $? in $(( SECONDS - s )) s"; grep -v -i warn "$out/$part.log" | tail -3
 done

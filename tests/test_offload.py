@@ -58,6 +58,18 @@ def test_offload_resume_after_sigkill_is_exact(offload_run, tmp_path):
     assert curve(run_dir) == curve(offload_run), f"killed after step {killed_at}"
 
 
+def test_offload_resume_from_an_in_memory_snapshot_is_exact(offload_run, tmp_path):
+    """Snapshots in RAM every step and disk saves every 5, the offloaded state held for both (one at a time: a
+    snapshot due while a disk save holds it copies instead): killed mid-run, the resume from RAM is exact."""
+    run_dir = tmp_path / "ram"
+    args = ["train", *tiny_args(run_dir, **{**COMMON, "memory.offload": True, "checkpoint.every": 5,
+                                            "checkpoint.memory_every": 1})]
+    killed_at = sigkill_after(args, run_dir, random.Random().randint(7, STEPS - 4))
+    proc = run_cli(*args)
+    assert "resuming from the in-memory snapshot" in proc.stdout, proc.stdout
+    assert curve(run_dir) == curve(offload_run), f"killed after step {killed_at}"
+
+
 @pytest.mark.slow
 def test_two_process_sharded_states_match_one_process(offload_run, tmp_path):
     two = tmp_path / "two"
@@ -194,6 +206,13 @@ def test_compiled_cpu_step_matches_torch_ops(grad_dtype, scale):
     sq = offload.accumulate_flat(acc, grad, first=False, kernels=kernels, threads=3)
     ref += grad.float()
     assert torch.equal(acc, ref) and sq == pytest.approx(ref.double().square().sum().item(), rel=1e-12)
+    for path in (kernels, None):  # out of place: the same result, the source untouched
+        source = [t.clone() for t in (master, m, v)]
+        moved, inplace = [torch.empty(n) for _ in range(3)], [t.clone() for t in source]
+        offload.adamw_flat(*moved, grad, None, **hp, kernels=path, threads=3, source=source)
+        offload.adamw_flat(*inplace, grad, None, **hp, kernels=path, threads=3)
+        assert all(torch.equal(a, b) for a, b in zip(moved, inplace))
+        assert all(torch.equal(a, b) for a, b in zip(source, (master, m, v)))
     sums = {offload.accumulate_flat(acc.clone(), grad, first=True, kernels=kernels, threads=k) for k in (1, 2, 5)}
     assert len(sums) == 1  # per-block sums added in block order: bitwise the same for any thread count
     sq = offload.accumulate_flat(acc, grad, first=True, kernels=kernels, threads=2)
@@ -240,6 +259,57 @@ def test_offload_ratio_keeps_the_first_units_on_the_device():
     got, _, _ = _train(True, 1.0, ratio=0.5)
     for (l1, n1), (l2, n2) in zip(ref, got):
         assert l2 == pytest.approx(l1, abs=1e-5) and n2 == pytest.approx(n1, rel=1e-5)
+
+
+def _snapshot(state: dict, paths=None) -> dict:
+    """The state's model and offloaded tensors by path (only those in `paths`, when given), cloned."""
+    flat = {("model", k): v for k, v in state["model"].items()}
+    flat.update({("offload", "state", k, m): v for k, ms in state["offload"]["state"].items() for m, v in ms.items()})
+    return {k: v.detach().clone() for k, v in flat.items() if paths is None or k in paths}
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("clip", [100.0, 0.3, 1.7])
+def test_held_state_keeps_the_finished_step_while_training_goes_on(clip, kernel):
+    """A checkpoint holds the state of step 3 (StepOptimizer.hold) and reads it only after two more steps: it still
+    has step 3's exact values, whether the later updates speculated, rolled back or waited for the norm; training
+    is unchanged by the hold, and after release a second hold (at step 9, on the other set of buffers) works too."""
+    from holotrain.memory import offload
+
+    if kernel == "native" and offload.cpu_kernels("auto") is None:
+        pytest.skip("the compiled CPU loops are unavailable (no C++ compiler or ninja)")
+    batches = _batches()
+
+    def run(steps, holds=()):
+        model, opt, step = _setup(True, clip, kernel=kernel)
+        assert opt.prepare_hold() is None
+        held, seen = None, {}
+        for s in range(steps):
+            if held is not None and s == held_at + 2:
+                held.ready()
+                seen[held_at].update(_snapshot(held.state, held.paths))
+                held.release()
+                held = None
+            step(lambda m, s=s: batches[(s * 2 + m) % len(batches)], 2, 3e-3)
+            if s + 1 in holds:
+                held, held_at = opt.hold(), s + 1
+                # What is not held (the device's part) is copied right away, as a checkpoint does.
+                seen[held_at] = {k: v for k, v in _snapshot(held.state).items() if k not in held.paths}
+                assert opt.hold(wait=False) is None  # one hold at a time
+        opt.synchronize()
+        final = _snapshot(opt.state_dict())
+        opt.close()
+        return seen, final
+
+    seen, final = run(12, holds=(3, 9))
+    for at in (3, 9):
+        _, want = run(at)
+        assert seen[at].keys() == want.keys() and any(k[0] == "offload" for k in want)
+        for k, v in want.items():
+            assert torch.equal(seen[at][k], v), (at, k)
+    _, unheld = run(12)
+    for k, v in unheld.items():
+        assert torch.equal(final[k], v), k
 
 
 def test_non_finite_gradient_skips_the_offloaded_step():

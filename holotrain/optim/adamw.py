@@ -38,6 +38,19 @@ class StepOptimizer(Protocol):
     def load_state_dict(self, state: dict) -> None:
         """After a checkpoint was loaded into state_dict()'s tensors: applies what was not loaded in place."""
 
+    def prepare_hold(self) -> str | None:
+        """Makes hold() possible (allocating what it needs); returns why not, or None."""
+
+    def hold(self, wait: bool = True):
+        """The training state of the step just finished, held while training goes on: an object with `state`
+        (as state_dict(), its host-resident tensors to be read only after `ready()`, on any thread) and
+        `release()`; or None, when the caller must copy state_dict() while the loop waits. One hold at a time:
+        with `wait`, a hold still in use is waited for; without, None."""
+
+    @property
+    def held_paths(self) -> frozenset:
+        """Where hold()'s held tensors are in its state (paths of nested keys)."""
+
     def close(self) -> None:
         """Releases threads and memory; safe to call twice."""
 
@@ -124,6 +137,14 @@ class DeviceAdamW:
 
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def prepare_hold(self) -> str | None:
+        return "the state is on the device"  # copied to the host in the blocking part at device-to-host speed
+
+    def hold(self, wait: bool = True):
+        return None
+
+    held_paths = frozenset()
 
     def close(self) -> None:
         pass

@@ -3,8 +3,20 @@ training thread, and the time the loop was blocked against the time the writes t
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+
+_NICE = 19  # the write thread's (and the threads it starts') scheduling priority: lowest
+
+
+def yield_cpu_to_training() -> None:
+    """Lowers the calling thread's CPU priority (threads it starts inherit it). A write competes for cores with the
+    offload engine's CPU step, which the GPU waits for; at the lowest priority it only takes cores left idle."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+    except (AttributeError, OSError):
+        pass  # not Linux (per-thread priorities), or not permitted: the write just competes
 
 
 class BackgroundWriter:
@@ -22,6 +34,7 @@ class BackgroundWriter:
         """Runs target(*args) on the write thread; its error is raised by the next wait()."""
 
         def run():
+            yield_cpu_to_training()
             t0 = time.perf_counter()
             try:
                 target(*args)

@@ -193,9 +193,23 @@ def save_checkpoint(run_dir: Path, step: int, optimizer, trainer_state: dict, ke
     return write_checkpoint(run_dir, step, training_state(optimizer), trainer_state, keep, extra_files)
 
 
-def training_state(optimizer) -> dict:
-    """What a checkpoint holds: the optimizer's state dict (model included) and the RNG states."""
-    return {**optimizer.state_dict(), "rng": _rng_state()}
+def training_state(optimizer, held=None) -> dict:
+    """What a checkpoint holds: the optimizer's state dict (model included; `held`'s state when given, see
+    StepOptimizer.hold) and the RNG states."""
+    return {**(held.state if held is not None else optimizer.state_dict()), "rng": _rng_state()}
+
+
+_hold_reasons: set[str] = set()
+
+
+def prepare_hold(optimizer, env) -> bool:
+    """Whether saves can hold the optimizer's host-resident state (StepOptimizer.hold) instead of copying it while
+    the loop waits; prepares it. Where it cannot, with state on the host, says why once."""
+    why = optimizer.prepare_hold()
+    if why is not None and optimizer.held_paths and env.is_main and why not in _hold_reasons:
+        _hold_reasons.add(why)
+        print(f"holotrain: checkpoints block while the offloaded state is copied: {why}", flush=True)
+    return why is None
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -1,7 +1,8 @@
-"""Checkpoints that do not stop training. The step loop blocks only while the training state is copied into host
-memory (pinned and kept across saves on a GPU; with memory.offload the engine first lets its CPU step finish, so
-the host-resident states are consistent); a background thread then writes that copy with DCP, atomically as
-train/checkpoint.py does. One write at a time: a save that comes while the previous one is still being written
+"""Checkpoints that do not stop training. The step loop blocks only while the device-resident training state is
+copied into host memory (pinned and kept across saves on a GPU). With memory.offload the host-resident masters and
+moments are held instead of copied (StepOptimizer.hold: the engine's next updates write a second set), so the
+loop does not wait for the CPU step either; the background thread waits for it. That thread then writes with DCP,
+atomically as train/checkpoint.py does. One write at a time: a save that comes while the previous one is still being written
 waits for it, so a checkpoint is never torn and the host copy is never overwritten while it is read. With several
 ranks the writer runs its collectives on a gloo process group of its own, so it never interleaves with the
 training's NCCL collectives. The process waits for the writer when training ends, on an error and on SIGTERM."""
@@ -28,6 +29,7 @@ from holotrain.train.checkpoint import (
     agreed,
     damage,
     list_checkpoints,
+    prepare_hold,
     load_checkpoint,
     memory_root,
     run_id,
@@ -55,30 +57,49 @@ class Checkpointer(BackgroundWriter):
         self.group = dist.new_group(backend="gloo") if self.background and env.world_size > 1 else None
         self.snapshot = HostSnapshot(env.device)
         self._allocating: threading.Thread | None = None
+        self.holds = False  # the optimizer can hold its host-resident state for the writer
 
     def prepare(self, optimizer) -> None:
-        """Allocates the pinned host buffers in the background, once the optimizer's state exists (after the first
-        step): pinning tens of GB takes seconds, which the first save would otherwise block for."""
-        if self.background and self.snapshot.pin and self._allocating is None:
-            layout = FlatLayout.of(training_state(optimizer))
-            self._allocating = threading.Thread(target=self.snapshot.allocate, args=(layout,),
+        """Allocates the host buffers in the background, once the optimizer's state exists (after the first step):
+        pinning tens of GB takes seconds, which the first save would otherwise block for."""
+        if self.background and self._allocating is None:
+            self._allocating = threading.Thread(target=self._allocate, args=(optimizer,),
                                                 name="holotrain-checkpoint-buffers")
             self._allocating.start()
 
+    def _allocate(self, optimizer) -> None:
+        self.holds = prepare_hold(optimizer, self.env)
+        if self.snapshot.pin:
+            self.snapshot.allocate(FlatLayout.of(training_state(optimizer), optimizer.held_paths if self.holds
+                                                 else frozenset()))
+
     def save(self, step: int, optimizer, trainer_state: dict, extra_files: dict[str, str] | None = None) -> None:
-        """Collective. Returns once the state is copied (background) or written (checkpoint.async_save = false)."""
+        """Collective. Returns once the state is copied or held (background) or written (checkpoint.async_save =
+        false)."""
         t0 = time.perf_counter()
         if self._allocating is not None:
             self._allocating.join()
         self.wait()
-        state = training_state(optimizer)
         if not self.background:
-            write_checkpoint(self.run_dir, step, state, trainer_state, self.keep, extra_files, threads=self.threads)
+            write_checkpoint(self.run_dir, step, training_state(optimizer), trainer_state, self.keep, extra_files,
+                             threads=self.threads)
             self._written(time.perf_counter() - t0)
         else:
-            self._start(write_checkpoint, self.run_dir, step, self.snapshot.take(state), trainer_state, self.keep,
-                        extra_files, self.group, self.threads, name="holotrain-checkpoint")
+            held = optimizer.hold() if self.holds else None
+            state = training_state(optimizer, held)
+            copied = self.snapshot.take(state, held.paths if held is not None else frozenset())
+            self._start(self._write, held, step, copied, trainer_state, extra_files, name="holotrain-checkpoint")
         self._blocked(t0)
+
+    def _write(self, held, step: int, state: dict, trainer_state: dict, extra_files: dict[str, str] | None) -> None:
+        try:
+            if held is not None:
+                held.ready()
+            write_checkpoint(self.run_dir, step, state, trainer_state, self.keep, extra_files, self.group,
+                             self.threads)
+        finally:
+            if held is not None:
+                held.release()
 
     def close(self) -> None:
         if self._allocating is not None:
@@ -110,8 +131,9 @@ class HostSnapshot:
                                                                                            dtype=torch.uint8)
         self.layout = layout
 
-    def take(self, state: dict) -> dict:
-        layout = FlatLayout.of(state)
+    def take(self, state: dict, skip: frozenset = frozenset()) -> dict:
+        """`state` with its tensors (but those at the paths in `skip`, left as they are) replaced by copies."""
+        layout = FlatLayout.of(state, skip)
         if layout != self.layout:
             self.allocate(layout)
         copied = copy_into(state, layout, self._buf, non_blocking=self.pin)

@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -54,10 +55,11 @@ class FlatLayout:
         self.entries, self.nbytes = entries, nbytes
 
     @classmethod
-    def of(cls, state: dict) -> FlatLayout:
+    def of(cls, state: dict, skip: frozenset = frozenset()) -> FlatLayout:
+        """The layout of every tensor of `state` but those at the paths in `skip`."""
         entries, offset = {}, 0
         for path, leaf in leaves(state):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and path not in skip:
                 t = local(leaf)
                 entries[path] = (offset, t.shape, t.dtype)
                 offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
@@ -80,14 +82,16 @@ class FlatLayout:
         return isinstance(other, FlatLayout) and self.entries == other.entries and self.nbytes == other.nbytes
 
 
-def copy_into(state: dict, layout: FlatLayout, buf: torch.Tensor, non_blocking: bool) -> dict:
-    """Copies every tensor of `state` into its place in `buf`: device tensors queued (when non_blocking the caller
-    synchronizes), host tensors (the offload engine's masters and moments: most of the bytes, then) on several
-    threads at once, as one thread is far from the host's memory bandwidth. Returns the state with those copies in
-    place of the tensors (a DTensor's copy wrapped again on its mesh, as DCP saves host DTensors)."""
+def copy_into(state: dict, layout: FlatLayout, buf: torch.Tensor, non_blocking: bool,
+              skip: frozenset = frozenset()) -> dict:
+    """Copies every tensor of `state` that the layout places (but those at the paths in `skip`) into its place in
+    `buf`: device tensors queued (when non_blocking the caller synchronizes), host tensors (the offload engine's
+    masters and moments: most of the bytes, then) on several threads at once, as one thread is far from the host's
+    memory bandwidth. Returns the state with those copies in place of the tensors (a DTensor's copy wrapped again on
+    its mesh, as DCP saves host DTensors); other tensors stay as they are."""
     copies, host = {}, []
     for path, leaf in leaves(state):
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) and path in layout.entries and path not in skip:
             dst, src = layout.view(buf, path), local(leaf).detach()
             if src.device.type == "cpu" and src.is_contiguous():
                 host.append((dst.view(-1), src.view(-1)))
@@ -107,12 +111,17 @@ def _parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for dst, src in pairs:
         step = max(1, _PIECE // src.element_size())
         pieces += [(dst[i:i + step], src[i:i + step]) for i in range(0, src.numel(), step)]
-    if len(pieces) <= 1:
-        for dst, src in pieces:
-            dst.copy_(src)
+    if not pieces:
         return
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        list(pool.map(lambda p: p[0].copy_(p[1]), pieces))
+        list(pool.map(_copy_bytes, pieces))
+
+
+def _copy_bytes(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """One piece, as bytes, on this thread alone (numpy releases the GIL): torch's copy_ would start a team of
+    intra-op threads per piece, several pieces at once oversubscribing the cores the offload engine's step uses."""
+    dst, src = pair
+    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
 
 
 def copy_from(state: dict, layout: FlatLayout, buf: torch.Tensor) -> None:

@@ -34,7 +34,16 @@ import torch.distributed as dist
 from holotrain.errors import ConfigError
 from holotrain.memory.offload.host import page_lock, unregister
 from holotrain.train.background import BackgroundWriter
-from holotrain.train.checkpoint import RUN_ID, agreed, apply_loaded, fault_point, memory_root, run_id, training_state
+from holotrain.train.checkpoint import (
+    RUN_ID,
+    agreed,
+    apply_loaded,
+    fault_point,
+    memory_root,
+    prepare_hold,
+    run_id,
+    training_state,
+)
 from holotrain.train.hostcopy import FlatLayout, copy_from, copy_into, leaves, replace_leaves
 
 if TYPE_CHECKING:
@@ -116,6 +125,7 @@ class RamSnapshots(BackgroundWriter):
         self._skipped = 0  # snapshots skipped while the slots were being allocated
         self._slot_steps: list[int] | None = None  # the step each own slot holds (-1: none), read at the first save
         self._allocating: threading.Thread | None = None
+        self.holds = False  # the optimizer can hold its host-resident state for the background thread
 
     # ----------------------------------------------------------------------------------------------------------
     # Saving
@@ -127,7 +137,8 @@ class RamSnapshots(BackgroundWriter):
             return
         layout = FlatLayout.of(training_state(optimizer))
         self._check_cap(layout)
-        self._allocating = threading.Thread(target=self._allocate, args=(layout,), name="holotrain-snapshot-buffers")
+        self._allocating = threading.Thread(target=self._allocate, args=(layout, optimizer),
+                                            name="holotrain-snapshot-buffers")
         self._allocating.start()
 
     def _check_cap(self, layout: FlatLayout) -> None:
@@ -141,8 +152,10 @@ class RamSnapshots(BackgroundWriter):
                 f"{' and a peer replica' if self.peers is not None else ''}) x {self.env.local_world_size} ranks); "
                 "raise checkpoint.memory_gb or set checkpoint.memory_every = 0")
 
-    def _allocate(self, layout: FlatLayout) -> None:
+    def _allocate(self, layout: FlatLayout, optimizer=None) -> None:
         t0 = time.perf_counter()
+        if optimizer is not None:
+            self.holds = prepare_hold(optimizer, self.env)
         if self.pin:
             torch.cuda.set_device(self.env.device)
         self._release()
@@ -178,7 +191,9 @@ class RamSnapshots(BackgroundWriter):
             self._allocating.join()
             self._allocating = None
         self.wait()
-        state = training_state(optimizer)
+        # Held, the offloaded state is copied on the background thread; not while a disk save holds it.
+        held = optimizer.hold(wait=False) if self.holds else None
+        state = training_state(optimizer, held)
         layout = FlatLayout.of(state)
         if layout != self.layout:
             self._check_cap(layout)
@@ -188,18 +203,26 @@ class RamSnapshots(BackgroundWriter):
         slot = self.own[self._slot_steps.index(min(self._slot_steps))]  # the older one: the newer stays whole
         slot.invalidate()
         self._slot_steps[slot.index] = -1
-        copy_into(state, layout, self._bufs[slot.index], non_blocking=self.pin)
+        copy_into(state, layout, self._bufs[slot.index], non_blocking=self.pin,
+                  skip=held.paths if held is not None else frozenset())
         if self.pin:
             torch.cuda.synchronize()
         header = {"step": step, RUN_ID: self.run_id, "world_size": self.env.world_size, "rank": self.env.rank,
                   "slot": slot.index, "nbytes": layout.nbytes, "layout": layout.describe(),
                   "values": [[list(p), v] for p, v in leaves(state) if not isinstance(v, torch.Tensor)],
                   "trainer_state": trainer_state, "files": extra_files or {}}
-        self._start(self._publish, slot, header, name="holotrain-snapshot")
+        self._start(self._publish, slot, header, held, state, layout, name="holotrain-snapshot")
         self._blocked(t0)
 
-    def _publish(self, slot: Slot, header: dict) -> None:
+    def _publish(self, slot: Slot, header: dict, held=None, state: dict | None = None,
+                 layout: FlatLayout | None = None) -> None:
         buf = self._bufs[slot.index]
+        if held is not None:
+            try:
+                held.ready()
+                copy_into(state, layout, buf, non_blocking=False, skip=frozenset(layout.entries) - held.paths)
+            finally:
+                held.release()
         header["crc32"] = checksums(buf)
         fault_point(header["step"])
         slot.publish(header)

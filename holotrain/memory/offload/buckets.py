@@ -90,7 +90,17 @@ class Bucket:
         self.speculated = False  # masters hold this step's unclipped update
         self.version = self.uploaded = 0  # master changes / the change the working weights show
         self.grads_ready = None  # CUDA event: backward is done with this bucket's weights and gradients
+        # Checkpoints that go on while training does (state.HeldState): a second set of master and moments, and
+        # the step whose final values the current set is held for (its next update then writes the other set).
+        self.spare: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.held_for: object | None = None
+        self.held = False  # a checkpoint is reading one of the two sets
         self.upload_event = None  # CUDA event: the latest upload has landed
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """master, exp_avg, exp_avg_sq: the set the updates write now."""
+        return self.master, self.exp_avg, self.exp_avg_sq
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         off, n = self.spans[i]

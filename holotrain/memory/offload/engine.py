@@ -20,7 +20,13 @@ from torch import nn
 from holotrain.memory.offload.buckets import FINAL, Bucket, Decision, Step, UploadBuffer, local, squared_norm
 from holotrain.memory.offload.host import unregister
 from holotrain.memory.offload.kernels import CHUNK, cpu_kernels
-from holotrain.memory.offload.state import engine_state, load_engine_state
+from holotrain.memory.offload.state import (
+    allocate_spares,
+    engine_state,
+    held_paths,
+    hold_state,
+    load_engine_state,
+)
 from holotrain.memory.offload.worker import CpuWorker
 from holotrain.memory.plan import model_units, offloadable, offloaded_units
 from holotrain.optim import AdamWHyper, fused_adamw, step_clipped
@@ -214,6 +220,17 @@ class OffloadEngine(CpuWorker):
     def load_state_dict(self, saved: dict) -> None:
         """After a checkpoint was loaded into state_dict()'s tensors: the rest, and the masters uploaded."""
         load_engine_state(self, saved)
+
+    def prepare_hold(self) -> str | None:
+        """A spare set of masters and moments (state.HeldState); why not, if the host has no room."""
+        return allocate_spares(self)
+
+    def hold(self, wait: bool = True):
+        return hold_state(self, wait)
+
+    @property
+    def held_paths(self) -> frozenset:
+        return held_paths(self)
 
     def close(self) -> None:
         """Lets the worker finish what it can and stops it (also at interpreter exit); safe to call twice."""

@@ -192,6 +192,13 @@ def _self_check(kernels: CpuKernels) -> None:
             raise KernelUnavailable("the compiled AdamW disagrees with torch._fused_adamw_")
     if not torch.equal(out, p.to(torch.bfloat16)):
         raise KernelUnavailable("the compiled bf16 rounding disagrees with torch")
+    source = [t.clone() for t in ref]
+    moved = [torch.empty(n) for _ in range(3)]
+    adamw_flat(*moved, g, None, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, t=4, kernels=kernels,
+               source=source)
+    adamw_flat(*ref, g, None, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, t=4, kernels=kernels)
+    if not all(torch.equal(a, b) for a, b in zip(moved, ref)):
+        raise KernelUnavailable("the compiled AdamW out of place disagrees with in place")
     acc = torch.randn(n, generator=gen)
     want = acc + g.float()
     sq = accumulate_flat(acc, g, first=False, kernels=kernels)
@@ -246,26 +253,33 @@ def cpu_kernels(choice: str = "auto") -> CpuKernels | None:
 def adamw_flat(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                out: torch.Tensor | None, *, lr: float, betas: tuple[float, float], weight_decay: float, eps: float,
                t: int, scale: float = 1.0, kernels: CpuKernels | None = None, threads: int = 1,
-               scratch: torch.Tensor | None = None) -> None:
+               scratch: torch.Tensor | None = None, source: tuple[torch.Tensor, ...] | None = None) -> None:
     """One AdamW step (torch's fused math) of flat contiguous fp32 buffers, the gradient (fp32 or bf16) divided by
-    `scale`; with `out`, also writes the new weights in out's dtype. The compiled loop in one pass on `threads`
-    native threads when `kernels` is given (the GIL released once for the whole call), else torch ops chunk by
-    chunk (gradient -> fp32 scratch, fused AdamW, weights -> out)."""
+    `scale`; with `out`, also writes the new weights in out's dtype. With `source` (master, exp_avg, exp_avg_sq),
+    the old state is read from there and the source is left as it was (out of place). The compiled loop in one pass
+    on `threads` native threads when `kernels` is given (the GIL released once for the whole call), else torch ops
+    chunk by chunk (gradient -> fp32 scratch, fused AdamW, weights -> out)."""
     b1, b2 = betas
     if kernels is not None and kernels.takes(grad.dtype, None if out is None else out.dtype):
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        kernels.module.adamw(master, exp_avg, exp_avg_sq, grad, out, decay=1 - lr * weight_decay, w1=1 - b1, b2=b2,
+        kernels.module.adamw(master, exp_avg, exp_avg_sq, grad, out, None if source is None else list(source),
+                             decay=1 - lr * weight_decay, w1=1 - b1, b2=b2,
                              c2=1 - b2, step_size=lr / bc1, bc2_sqrt=math.sqrt(bc2), eps=eps, scale=scale,
                              threads=max(1, threads))
         return
     n = master.numel()
-    if scratch is None and grad.dtype != torch.float32:
-        scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
     grad_scale = None if scale == 1.0 else torch.tensor(scale, dtype=torch.float32)
+    # The fused op unscales its gradient in place: a scaled one goes through the scratch, so `grad` stays as it is.
+    via_scratch = grad.dtype != torch.float32 or grad_scale is not None
+    if scratch is None and via_scratch:
+        scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
     step = torch.tensor(float(t))
     for lo, hi in chunks(n):
+        if source is not None:
+            for dst, src in zip((master, exp_avg, exp_avg_sq), source):
+                dst[lo:hi].copy_(src[lo:hi])
         g = grad[lo:hi]
-        if g.dtype != torch.float32:
+        if via_scratch:
             g = scratch[:hi - lo].copy_(g)
         torch._fused_adamw_(
             [master[lo:hi]], [g], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [], [step], lr=lr, beta1=b1, beta2=b2,

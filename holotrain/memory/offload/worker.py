@@ -18,6 +18,7 @@ import torch
 
 from holotrain.memory.offload.buckets import FINAL, LANDED, SPECULATED, Bucket, Step, UploadBuffer, local
 from holotrain.memory.offload.kernels import accumulate_flat, adamw_flat, chunks
+from holotrain.memory.offload.state import leave_held
 
 
 class CpuWorker:
@@ -146,9 +147,10 @@ class CpuWorker:
         upload = self._upload_buffer() if (to_upload and self.cuda) else None
         hyper = self.hyper
         t0 = time.perf_counter()
+        source = leave_held(self, b, step)  # a checkpoint reads the current set: write the spare one
         adamw_flat(b.master, b.exp_avg, b.exp_avg_sq, b.grad, None if upload is None else upload.data[:b.numel],
                    lr=step.lr, betas=hyper.betas, weight_decay=hyper.weight_decay, eps=hyper.eps, t=step.t,
-                   scale=scale, kernels=self._kernels, threads=self.threads, scratch=self._scratch)
+                   scale=scale, kernels=self._kernels, threads=self.threads, scratch=self._scratch, source=source)
         self._count("adamw_s", time.perf_counter() - t0)
         b.version += 1
         return upload

@@ -124,6 +124,7 @@ enum Kind : int {
 struct Job {
   Kind kind;
   float *p, *m, *v;
+  const float *sp, *sm, *sv;  // AdamW out of place: p, m and v are first copied from these (null: in place)
   const void* g;
   void* out;
   int64_t n;
@@ -138,6 +139,12 @@ void run_block(Job* j, int64_t b) {
   const uint16_t* g16 = static_cast<const uint16_t*>(j->g) + lo;
   const float* g32 = static_cast<const float*>(j->g) + lo;
   float *p = j->p + lo, *m = j->m + lo, *v = j->v + lo;
+  if (j->sp != nullptr) {
+    // Block by block, so the loop below reads the copies from cache: as many passes over memory as in place.
+    std::memcpy(p, j->sp + lo, len * sizeof(float));
+    std::memcpy(m, j->sm + lo, len * sizeof(float));
+    std::memcpy(v, j->sv + lo, len * sizeof(float));
+  }
   uint16_t* o16 = static_cast<uint16_t*>(j->out);
   float* o32 = static_cast<float*>(j->out);
   switch (j->kind) {
@@ -197,10 +204,12 @@ void check_fp32(const at::Tensor& t, const char* name, int64_t n) {
 }
 
 // One AdamW step of master, exp_avg and exp_avg_sq (flat fp32), the gradient (bf16 or fp32) divided by `scale`;
-// with `out` (bf16 or fp32), also writes the new weights into it. The constants are AdamW's as the caller derived
+// with `out` (bf16 or fp32), also writes the new weights into it. With `source` (three flat fp32 tensors: master,
+// exp_avg, exp_avg_sq), the step reads the old state from there and writes the new one into the first three, which
+// leaves the source untouched (a checkpoint may be reading it). The constants are AdamW's as the caller derived
 // them for this step (see Hyper); they are rounded to float32 here, as the loop uses them.
 void adamw(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const at::Tensor& grad,
-           const std::optional<at::Tensor>& out, double decay, double w1, double b2, double c2, double step_size,
+           const std::optional<at::Tensor>& out, const std::optional<std::vector<at::Tensor>>& source, double decay, double w1, double b2, double c2, double step_size,
            double bc2_sqrt, double eps, double scale, int64_t threads) {
   const int64_t n = master.numel();
   check_fp32(master, "master", n);
@@ -223,6 +232,17 @@ void adamw(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor
   j.p = master.data_ptr<float>();
   j.m = exp_avg.data_ptr<float>();
   j.v = exp_avg_sq.data_ptr<float>();
+  j.sp = j.sm = j.sv = nullptr;
+  if (source.has_value()) {
+    const auto& src = *source;
+    TORCH_CHECK(src.size() == 3, "offload kernel: source must be [master, exp_avg, exp_avg_sq]");
+    check_fp32(src[0], "source master", n);
+    check_fp32(src[1], "source exp_avg", n);
+    check_fp32(src[2], "source exp_avg_sq", n);
+    j.sp = src[0].data_ptr<float>();
+    j.sm = src[1].data_ptr<float>();
+    j.sv = src[2].data_ptr<float>();
+  }
   j.g = grad.data_ptr();
   j.out = out_ptr;
   j.n = n;
@@ -248,6 +268,7 @@ double accumulate(const at::Tensor& acc, const at::Tensor& src, bool first, int6
   j.kind = s == 0 ? ACCUMULATE_G16 : ACCUMULATE_G32;
   j.p = acc.data_ptr<float>();
   j.m = j.v = nullptr;
+  j.sp = j.sm = j.sv = nullptr;
   j.g = src.data_ptr();
   j.out = nullptr;
   j.n = n;
@@ -266,7 +287,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "holotrain offload: the CPU step's AdamW and accumulation loops (GIL released, native threads)";
   m.attr("BLOCK") = BLOCK;
   m.def("adamw", &adamw, py::call_guard<py::gil_scoped_release>(), py::arg("master"), py::arg("exp_avg"),
-        py::arg("exp_avg_sq"), py::arg("grad"), py::arg("out"), py::arg("decay"), py::arg("w1"), py::arg("b2"),
+        py::arg("exp_avg_sq"), py::arg("grad"), py::arg("out"), py::arg("source"), py::arg("decay"), py::arg("w1"), py::arg("b2"),
         py::arg("c2"), py::arg("step_size"), py::arg("bc2_sqrt"), py::arg("eps"), py::arg("scale"),
         py::arg("threads"));
   m.def("accumulate", &accumulate, py::call_guard<py::gil_scoped_release>(), py::arg("acc"), py::arg("src"),
