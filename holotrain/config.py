@@ -465,8 +465,9 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
          f"training.fp8 must be none, tensorwise, rowwise or auto, got {t.fp8!r}")
     need(not (t.fp8 in ("tensorwise", "rowwise") and cfg.job.device == "cpu" and not t.fp8_emulate),
          f"training.fp8 = {t.fp8!r} needs a GPU with FP8 (compute capability 8.9 or later); job.device is cpu")
-    need(not (t.fp8 != "none" and cfg.parallel.tp > 1),
-         "training.fp8 with parallel.tp > 1 is not supported yet; set training.fp8 = 'none' or parallel.tp = 1")
+    need(not (t.fp8 in ("tensorwise", "rowwise") and cfg.parallel.tp > 1 and cfg.parallel.tp_overlap != "none"),
+         f"training.fp8 = {t.fp8!r} with parallel.tp > 1 needs parallel.tp_overlap = 'none' (the overlapped "
+         f"GEMMs, {cfg.parallel.tp_overlap!r}, have no FP8 path)")
     need(t.max_nonfinite_steps > 0, f"training.max_nonfinite_steps must be positive, got {t.max_nonfinite_steps}")
     need(cfg.job.device in ("auto", "cpu", "cuda"), f"job.device must be auto, cpu or cuda, got {cfg.job.device!r}")
     c = cfg.checkpoint

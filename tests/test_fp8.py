@@ -14,9 +14,10 @@ def test_fp8_on_a_cpu_is_one_config_error_and_auto_says_why_it_is_off(tmp_path):
         proc = run_cli("train", *tiny_args(tmp_path / recipe, **{"training.fp8": recipe, "job.device": "cpu"}),
                        check=False)
         assert proc.returncode == 2 and "training.fp8" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_cli("train", *tiny_args(tmp_path / "tp", **{"training.fp8": "tensorwise", "parallel.tp": 2}),
+    proc = run_cli("train", *tiny_args(tmp_path / "tp", **{"training.fp8": "tensorwise", "training.fp8_emulate": True,
+                                                          "parallel.tp": 2, "parallel.tp_overlap": "fused"}),
                    check=False)
-    assert proc.returncode == 2 and "parallel.tp" in proc.stderr
+    assert proc.returncode == 2 and "parallel.tp_overlap = 'none'" in proc.stderr, proc.stderr
     proc = run_cli("train", *tiny_args(tmp_path / "auto", **{"training.fp8": "auto", "training.steps": 2}))
     assert "training.fp8 = auto -> none (cpu has no FP8 matmuls)" in proc.stdout
 
@@ -39,6 +40,26 @@ def test_emulated_fp8_trains_like_fp32_and_resumes_with_fp8_switched_off(tmp_pat
     proc = run_cli("train", *tiny_args(tmp_path / "fp8", **{**fp8, "training.steps": 12}))
     assert "resuming from" in proc.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "fp8")] == list(range(1, 13))
+
+
+@pytest.mark.slow
+def test_emulated_fp8_under_tensor_parallelism_trains_like_one_process(tmp_path):
+    """parallel.tp = 2 (gloo, 2 ranks): the TP layers' GEMMs go FP8 on each rank's shards (the head stays); the
+    losses follow the one-process FP8 run within FP8's tolerance (each rank scales its own shard), and differ
+    from the TP run without FP8."""
+    from tests.test_distributed import torchrun
+
+    common = {"training.steps": 4, "model.ffn_dim": 192, "profile.report": False, "checkpoint.every": 0}
+    fp8 = {**common, "training.fp8": "tensorwise", "training.fp8_emulate": True}
+    run_cli("train", *tiny_args(tmp_path / "one", **fp8), env={"OMP_NUM_THREADS": "1"})
+    out = torchrun(2, "train", *tiny_args(tmp_path / "tp2", **fp8), "--parallel.tp=2")
+    assert "fp8 tensorwise on 14 linear layers (emulated)" in out, out
+    torchrun(2, "train", *tiny_args(tmp_path / "tp2-bf", **common), "--parallel.tp=2")
+    one, tp2, plain = (read_metrics(tmp_path / n) for n in ("one", "tp2", "tp2-bf"))
+    assert [r["step"] for r in tp2] == [1, 2, 3, 4]
+    for a, b in zip(one, tp2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=0.01), (a, b)
+    assert any(b["loss"] != c["loss"] for b, c in zip(tp2, plain))  # FP8 really ran under TP
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),

@@ -283,7 +283,7 @@ def test_held_state_keeps_the_finished_step_while_training_goes_on(clip, kernel)
     def run(steps, holds=()):
         model, opt, step = _setup(True, clip, kernel=kernel)
         assert opt.prepare_hold() is None
-        held, seen = None, {}
+        held, held_at, seen = None, 0, {}
         for s in range(steps):
             if held is not None and s == held_at + 2:
                 held.ready()

@@ -176,6 +176,20 @@ class _ReduceScatterRows(torch.autograd.Function):
         return _all_gather_rows(dy.contiguous(), ctx.comm), None
 
 
+class _AllGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather_rows(x.contiguous(), comm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        comm, dy = ctx.comm, dy.contiguous()
+        out = dy.new_empty((dy.shape[0] // comm.world, *dy.shape[1:]))
+        dist.reduce_scatter_tensor(out, dy, group=comm.group)
+        return out, None
+
+
 class _GradAllReduce(torch.autograd.Function):
     """Identity forward; the gradient summed over the group (a replicated weight applied to a rank's own tokens)."""
 
@@ -222,6 +236,11 @@ def linear_rs(x: torch.Tensor, w: torch.Tensor, comm: TPComm) -> torch.Tensor:
 
 def reduce_scatter_rows(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     return _ReduceScatterRows.apply(x, comm)
+
+
+def all_gather_rows(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    """The group's row blocks in rank order; backward reduce-scatters."""
+    return _AllGatherRows.apply(x, comm)
 
 
 def grad_all_reduce(x: torch.Tensor, comm: TPComm) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from holotrain.errors import ConfigError
 from holotrain.model.llama import rms_norm
 from holotrain.parallel.overlap import (
-    MODES, TPComm, ag_linear, gather_columns, grad_all_reduce, linear_rs, reduce_scatter_rows,
+    MODES, TPComm, ag_linear, all_gather_rows, gather_columns, grad_all_reduce, linear_rs, reduce_scatter_rows,
 )
 
 
@@ -162,19 +162,35 @@ class VocabParallelHead(_Style):
 # compiles the code between them.
 
 
+def _fp8_matmul(linears: list[nn.Linear]):
+    """The FP8 matmul the precision lever gave all of these linears (precision/lever.py), or None: bf16."""
+    fns = {getattr(lin, "fp8_matmul", None) for lin in linears}
+    return fns.pop() if len(fns) == 1 else None
+
+
+def _gathered_linear(linears: list[nn.Linear], x: torch.Tensor, w: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    """all_gather(x) @ w.T, with the overlap mode's GEMM, or FP8's after a plain all-gather."""
+    fp8 = _fp8_matmul(linears)
+    if fp8 is None:
+        return ag_linear(x, w, comm)
+    return fp8(all_gather_rows(x, comm), w.t())
+
+
 @torch.compiler.disable
 def _column_group_forward(linears: list[nn.Linear], comm: TPComm, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     B, Tl, K = x.shape
     ws = [lin.weight.to_local() for lin in linears]
     w = ws[0] if len(ws) == 1 else torch.cat(ws)  # one GEMM over the linears' local rows
-    y = ag_linear(x.reshape(B * Tl, K), w, comm).view(B, Tl * comm.world, -1)
+    y = _gathered_linear(linears, x.reshape(B * Tl, K), w, comm).view(B, Tl * comm.world, -1)
     return y.split([t.shape[0] for t in ws], dim=-1)
 
 
 @torch.compiler.disable
 def _row_forward(linear: nn.Linear, comm: TPComm, x: torch.Tensor) -> torch.Tensor:
     B, T, Kl = x.shape
-    y = linear_rs(x.reshape(B * T, Kl), linear.weight.to_local(), comm)
+    x, w = x.reshape(B * T, Kl), linear.weight.to_local()
+    fp8 = _fp8_matmul([linear])
+    y = linear_rs(x, w, comm) if fp8 is None else reduce_scatter_rows(fp8(x, w.t()), comm)
     return y.view(B, T // comm.world, -1)
 
 
@@ -198,7 +214,7 @@ def _embedding_forward(emb: nn.Embedding, comm: TPComm, tokens: torch.Tensor) ->
 @torch.compiler.disable
 def _head_forward(head: nn.Linear, comm: TPComm, h: torch.Tensor) -> torch.Tensor:
     B, Tl, D = h.shape
-    logits = ag_linear(h.reshape(B * Tl, D), head.weight.to_local(), comm)  # [B*T, V/tp]
+    logits = _gathered_linear([head], h.reshape(B * Tl, D), head.weight.to_local(), comm)  # [B*T, V/tp]
     return gather_columns(logits, comm).view(B, Tl * comm.world, -1)
 
 
@@ -208,8 +224,8 @@ def _vocab_parallel_loss(model: nn.Module, comm: TPComm, h: torch.Tensor, target
     logits for all tokens, and the mean cross-entropy over targets other than -100 (same value on every rank)."""
     x = model.norm(h)
     B, Tl, D = x.shape
-    logits = ag_linear(x.reshape(B * Tl, D), model.output.weight.to_local(), comm)  # [B*T, V/tp]
-    return _VocabParallelCrossEntropy.apply(logits, targets.reshape(-1), comm)
+    logits = _gathered_linear([model.output], x.reshape(B * Tl, D), model.output.weight.to_local(), comm)
+    return _VocabParallelCrossEntropy.apply(logits, targets.reshape(-1), comm)  # logits [B*T, V/tp]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -34,14 +34,14 @@ def fp8_capable(device: torch.device) -> str | None:
     return None
 
 
-def admitted(module: torch.nn.Module, fqn: str, skip: list[str]) -> bool:
-    """A linear layer goes FP8 unless a training.fp8_skip pattern names it; FP8 GEMMs need both of its dimensions to
-    be multiples of 16."""
+def admitted(module: torch.nn.Module, fqn: str, skip: list[str], tp: int = 1) -> bool:
+    """A linear layer goes FP8 unless a training.fp8_skip pattern names it; FP8 GEMMs need both of its dimensions
+    (each rank's share of them under tensor parallelism) to be multiples of 16."""
     if not isinstance(module, torch.nn.Linear):
         return False
     if any(fnmatch.fnmatchcase(fqn, pattern) for pattern in skip):
         return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return module.in_features % (16 * tp) == 0 and module.out_features % (16 * tp) == 0
 
 
 def fp8_shapes(model: torch.nn.Module, skip: list[str]) -> dict[tuple[int, int], int]:
@@ -80,6 +80,11 @@ class Precision:
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulate,
                                      enable_fsdp_float8_all_gather=gather_fp8)
 
+        comm = getattr(model, "tp_comm", None)
+        if comm is not None:
+            self._apply_tp(model, comm.world, dataclasses.replace(config, enable_fsdp_float8_all_gather=False))
+            return
+
         def admit(module: torch.nn.Module, fqn: str) -> bool:
             ok = admitted(module, fqn, self.skip)
             if ok:
@@ -88,10 +93,39 @@ class Precision:
 
         convert_to_float8_training(model, module_filter_fn=admit, config=config)
 
+    def _apply_tp(self, model: torch.nn.Module, tp: int, config) -> None:
+        """Under tensor parallelism the linears' forwards are parallel/tp.py's (communication and GEMM on local
+        shards), so they are not swapped: each admitted linear is given an FP8 matmul that those forwards use in
+        place of the bf16 GEMM (after a plain all-gather, before a plain reduce-scatter). The scales are each
+        rank's: its shard of a weight, its gathered input."""
+        matmul = Fp8Matmul(config)
+        for fqn, module in model.named_modules():
+            if admitted(module, fqn, self.skip, tp):
+                module.fp8_matmul = matmul
+                self.converted.append(fqn)
+
     def describe(self) -> str | None:
         if self.recipe == "none":
             return None
         return f"fp8 {self.recipe} on {len(self.converted)} linear layers" + (" (emulated)" if self.emulate else "")
+
+
+class Fp8Matmul:
+    """x [M, K] @ w_t [K, N] with torchao's float8 casts and scaled GEMMs, in forward and for both gradients, as its
+    Float8Linear computes them."""
+
+    def __init__(self, config):
+        from torchao.float8.float8_linear import LinearMMConfig, ScaledMMConfig
+
+        self.config = config
+        self.mm_config = LinearMMConfig(*(
+            ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
+            for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)))
+
+    def __call__(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+        return matmul_with_hp_or_float8_args.apply(x, w_t, self.mm_config, self.config)
 
 
 def build(section: TrainingConfig, env: DistEnv, data_parallel: int) -> Precision:

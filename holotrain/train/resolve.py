@@ -123,6 +123,8 @@ def _resolve_fp8(cfg: Config, env: DistEnv, micro: int) -> None:
         return
     reason = fp8_capable(env.device)
     choice = "none"
+    if reason is None and cfg.parallel.tp > 1 and cfg.parallel.tp_overlap != "none":
+        reason = f"parallel.tp_overlap = {cfg.parallel.tp_overlap!r} has no FP8 GEMMs"
     if reason is None:
         with torch.device("meta"):
             model = Llama(model_args(cfg))
