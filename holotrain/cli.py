@@ -10,7 +10,8 @@ from holotrain.config import ConfigError, load_config
 from holotrain.errors import TrainingStopped
 
 USAGE = """usage:
-  holotrain train [--config FILE.toml | NAME] [--section.key=value ...]
+  holotrain train [--config FILE.toml | NAME] [--plan auto | PLAN.toml] [--section.key=value ...]
+  holotrain plan [--config FILE.toml | NAME] [--out DIR] [--section.key=value ...]
   holotrain export RUN_DIR OUT_DIR [--checkpoint DIR]
   holotrain report RUN_DIR
   holotrain hw probe [--out FILE.json] [--seconds N]
@@ -21,7 +22,11 @@ def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="holotrain train", add_help=True)
     parser.add_argument("--config", help="TOML config file, or a shipped config's name: tiny, 125m, 1.4b, "
                         "1.4b-tp2, offload (default: the embedded tiny model)")
+    parser.add_argument("--plan", help="auto: plan the job (holotrain plan) and train with the plan; or a "
+                        "plan.toml that holotrain plan wrote for this job on this machine")
     known, overrides = parser.parse_known_args(argv)
+    if known.plan:
+        overrides = _planned(known.config, overrides, known.plan)
     cfg = load_config(known.config, overrides)
     from holotrain.train import train
 
@@ -31,6 +36,49 @@ def _train(argv: list[str]) -> int:
     alive = [t.name for t in threading.enumerate() if t.name.startswith("holotrain") and t.is_alive()]
     if alive:
         print(f"holotrain: warning: threads still running after training: {', '.join(alive)}", file=sys.stderr)
+    return 0
+
+
+def _planned(config: str | None, overrides: list[str], plan: str) -> list[str]:
+    """The overrides with a plan's settings put before the command line's own (which still win)."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from holotrain.plan import make_plan, plan_overrides, print_table
+    from holotrain.plan.machine import machine_fingerprint
+    from holotrain.plan.planner import job_config
+
+    cfg = job_config(config, overrides)
+    device = torch.device("cuda" if (cfg.job.device != "cpu" and torch.cuda.is_available()) else "cpu")
+    if plan == "auto":
+        result = make_plan(config, overrides, cfg.run_dir)
+        print_table(result)
+        plan = str(cfg.run_dir / "plan.toml")
+    planned = plan_overrides(Path(plan), config, overrides, machine_fingerprint(device, cfg.hw.gpu_memory_gb))
+    candidates = Path(plan).with_name("plan.json")  # the report compares the run with the plan's predictions
+    if candidates.is_file() and candidates.parent.resolve() != cfg.run_dir.resolve():
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(candidates, cfg.run_dir / "plan.json")
+    return planned + overrides
+
+
+def _plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="holotrain plan")
+    parser.add_argument("--config", help="TOML config file, or a shipped config's name (default: the embedded tiny "
+                        "model)")
+    parser.add_argument("--out", help="where plan.toml and plan.json go (default: the job's run directory)")
+    known, overrides = parser.parse_known_args(argv)
+    from pathlib import Path
+
+    from holotrain.plan import make_plan, print_table
+    from holotrain.plan.planner import job_config
+
+    out = Path(known.out) if known.out else job_config(known.config, overrides).run_dir
+    result = make_plan(known.config, overrides, out)
+    print_table(result)
+    print(f"wrote {out / 'plan.toml'} and {out / 'plan.json'}")
     return 0
 
 
@@ -71,7 +119,7 @@ def _hw(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "export": _export, "report": _report, "hw": _hw}
+COMMANDS = {"train": _train, "plan": _plan, "export": _export, "report": _report, "hw": _hw}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,9 @@ class JobConfig(_Section):
     run_dir: str = ""  # empty: runs/<name>
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    # Mean time between failures of the job's machines, in hours: the plan's checkpoint interval (Young/Daly) comes
+    # from it and the measured time a save blocks.
+    mtbf_hours: float = 24.0
 
 
 @dataclass
@@ -192,6 +195,18 @@ class HwConfig(_Section):
     allow_clock_control: bool = False
     lock_sm_clock_mhz: int = 0  # 0 = leave the clocks alone
     power_limit_w: float = 0.0  # 0 = leave the power limit alone
+    # GPU memory this run may use, in GB (0 = all of it): to plan for a smaller card, or to share one. The memory
+    # plan and the allocator both keep to it.
+    gpu_memory_gb: float = 0.0
+
+
+@dataclass
+class PlanConfig(_Section):
+    """`holotrain plan` / `holotrain train --plan auto` (holotrain/plan/)."""
+
+    objective: str = "tokens_per_s"  # tokens_per_s | j_per_token
+    trials: int = 3  # the best predicted candidates run as short trials through `holotrain train`
+    trial_steps: int = 8  # steps per trial; the first two (compilation, warm-up) are not timed
 
 
 @dataclass
@@ -205,6 +220,7 @@ class Config(_Section):
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     hw: HwConfig = field(default_factory=HwConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -508,6 +524,13 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(0 < hw.telemetry_hz <= 1000, f"hw.telemetry_hz must be in (0, 1000], got {hw.telemetry_hz}")
     need(hw.lock_sm_clock_mhz >= 0, f"hw.lock_sm_clock_mhz must be >= 0, got {hw.lock_sm_clock_mhz}")
     need(hw.power_limit_w >= 0, f"hw.power_limit_w must be >= 0, got {hw.power_limit_w}")
+    need(hw.gpu_memory_gb >= 0, f"hw.gpu_memory_gb must be >= 0 (0 = the whole GPU), got {hw.gpu_memory_gb}")
+    need(cfg.job.mtbf_hours > 0, f"job.mtbf_hours must be positive, got {cfg.job.mtbf_hours}")
+    pl = cfg.plan
+    need(pl.objective in ("tokens_per_s", "j_per_token"),
+         f"plan.objective must be tokens_per_s or j_per_token, got {pl.objective!r}")
+    need(pl.trials >= 0, f"plan.trials must be >= 0, got {pl.trials}")
+    need(pl.trial_steps >= 3, f"plan.trial_steps must be >= 3 (two are not timed), got {pl.trial_steps}")
     wants_control = hw.lock_sm_clock_mhz > 0 or hw.power_limit_w > 0
     need(
         not wants_control or hw.allow_clock_control,

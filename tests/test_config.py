@@ -52,6 +52,7 @@ def test_resolved_config_round_trips(tmp_path):
         # changing a shared card's clocks needs the explicit opt-in
         (["--hw.lock_sm_clock_mhz=1500"], "hw.allow_clock_control"),
         (["--hw.power_limit_w=500"], "hw.allow_clock_control"),
+        (["--hw.gpu_memory_gb=-1"], "hw.gpu_memory_gb"),
     ],
 )
 def test_bad_values_name_the_key(args, key):
@@ -96,6 +97,7 @@ def test_override_syntax():
         (["--training.stepz=3"], "training.stepz"),
         (["--training.steps=x"], "training.steps"),
         (["--hw.lock_sm_clock_mhz=1500"], "hw.allow_clock_control"),
+        (["--hw.gpu_memory_gb=-1"], "hw.gpu_memory_gb"),
     ],
 )
 def test_cli_config_error_is_one_line_exit_2(tmp_path, args, key):
@@ -119,3 +121,86 @@ def test_resolved_config_is_read_only():
     assert changed.offload and not cfg.memory.offload
     changed.offload_ratio = 0.5  # a copy is not frozen
     assert "[memory]" in cfg.to_toml()
+
+
+def test_gpu_cap_bytes():
+    from holotrain.memory.plan import gpu_cap_bytes
+
+    card = 141_000_000_000
+    assert gpu_cap_bytes(card, 0) == card  # 0 = the whole card
+    assert gpu_cap_bytes(card, 24) == 24_000_000_000
+    assert gpu_cap_bytes(card, 24.5) == 24_500_000_000
+    assert gpu_cap_bytes(card, 200) == card  # never more than the card
+
+
+def test_memory_plan_keeps_to_the_gpu_cap(monkeypatch):
+    """The cap set on the allocator (torch.cuda.set_per_process_memory_fraction) bounds the plan's GPU capacity,
+    however much the card has free. CUDA's queries are stood in for, so this runs on the CPU."""
+    import torch
+
+    from holotrain.memory.plan import GPU_USABLE, gpu_available_bytes, plan_memory
+    from holotrain.model import Llama
+    from holotrain.train import model_args
+
+    card, cap, reserved = 141e9, 24e9, 1e9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(130e9), int(card)))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: cap / card)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(reserved))
+    cuda = torch.device("cuda", 0)
+    assert gpu_available_bytes(cuda) == pytest.approx(cap - reserved, abs=1)
+    cfg = resolve(load_config(None, ["--hw.gpu_memory_gb=24"]), tokenizer_vocab=512)
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    plan = plan_memory(model, cfg, 1, cuda, 2, 1, host_capacity=100e9)
+    assert plan.gpu_capacity == pytest.approx((cap - reserved) * GPU_USABLE, abs=1) and plan.gpu_capacity <= cap
+
+
+def test_expandable_segments_reason():
+    from holotrain.train.trainer import expandable_segments_reason
+
+    plain = load_config()
+    assert expandable_segments_reason(plain, {}) is None
+    capped = load_config(None, ["--hw.gpu_memory_gb=24"])
+    assert expandable_segments_reason(capped, {}) == "hw.gpu_memory_gb = 24"
+    offload = load_config(None, ["--memory.offload=true", "--hw.gpu_memory_gb=24"])
+    assert expandable_segments_reason(offload, {}) == "hw.gpu_memory_gb = 24 and memory.offload"
+    # The user's own allocator settings are left alone.
+    assert expandable_segments_reason(offload, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is None
+    assert expandable_segments_reason(offload, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}) is None
+
+
+def test_gpu_memory_set_up(monkeypatch, capsys):
+    """A CUDA run's start: the cap becomes the allocator's fraction of the card, expandable segments are switched on
+    with one line, and a cap larger than the card is ignored with one warning. CUDA's calls are stood in for."""
+    import torch
+
+    from holotrain.parallel import DistEnv
+    from holotrain.train import trainer
+
+    card = 80e9
+    fractions, settings = [], []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": int(card)})())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), local_world_size=1)
+
+    trainer._set_up_gpu_memory(load_config(None, ["--hw.gpu_memory_gb=24"]), env)
+    assert fractions == [pytest.approx(24e9 / card)] and settings == ["expandable_segments:True"]
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["holotrain: CUDA allocator: expandable segments (for hw.gpu_memory_gb = 24, against "
+                   "fragmentation; PYTORCH_CUDA_ALLOC_CONF chooses otherwise)"]
+
+    fractions.clear()
+    trainer._set_up_gpu_memory(load_config(None, ["--hw.gpu_memory_gb=100"]), env)
+    assert fractions == [1.0]
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("holotrain: warning: hw.gpu_memory_gb = 100 is larger")
+
+    fractions.clear()
+    settings.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    trainer._set_up_gpu_memory(load_config(None, ["--memory.offload=true"]), env)
+    assert fractions == [] and settings == [] and capsys.readouterr().out == ""

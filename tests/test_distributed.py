@@ -67,7 +67,8 @@ def test_two_process_resume_from_an_in_memory_snapshot(tmp_path, node_lost):
     torchrun(2, "train", *tiny_args(full, **common))
     torchrun(2, "train", *tiny_args(resumed, **common), env={"HOLOTRAIN_KILL_DURING_SAVE": "11"}, ok=False)
     for rank, holder in ((0, 1), (1, 0)):
-        assert sorted(local_steps(resumed, rank)[0]) == [10]  # its own: step 11 was never completed
+        # Its own: step 11 was never completed (a rank killed before starting it may still hold step 9 too).
+        assert max(local_steps(resumed, rank)[0]) == 10
         assert max(local_steps(resumed, holder)[1]) == 10  # its replica, held by the other rank
     if node_lost:
         shutil.rmtree(memory_root(resumed) / "rank-1")

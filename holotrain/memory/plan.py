@@ -113,6 +113,13 @@ def host_available_bytes() -> int:
     return max(0, avail)
 
 
+def gpu_cap_bytes(total_bytes: int, cap_gb: float) -> int:
+    """The GPU memory a run may use under hw.gpu_memory_gb = cap_gb (0 = the whole card): never more than the card."""
+    if cap_gb <= 0:
+        return total_bytes
+    return min(total_bytes, int(cap_gb * 1e9))
+
+
 def gpu_available_bytes(device: torch.device) -> int:
     """Free memory on the GPU, lowered by torch.cuda.set_per_process_memory_fraction where torch reports it."""
     free, total = torch.cuda.mem_get_info(device)
@@ -275,8 +282,9 @@ def check_fit(model: nn.Module, cfg, world_size: int, device: torch.device, micr
         + (f", {world_size} ranks" if world_size > 1 else "") + "."
     ]
     if not plan.gpu_fits:
+        capped = f" within hw.gpu_memory_gb = {cfg.hw.gpu_memory_gb:g}" if cfg.hw.gpu_memory_gb > 0 else ""
         lines.append(f"GPU: needs {_gb(plan.gpu_need)} per rank = {_parts(plan.gpu)}, but {_gb(plan.gpu_capacity)} "
-                     f"is usable ({GPU_USABLE:.0%} of free).")
+                     f"is usable ({GPU_USABLE:.0%} of free{capped}).")
     if not plan.host_fits:
         per = (f" ({plan.host_bytes_per_param} bytes per offloaded parameter: "
                + " + ".join(f"{k} {v}" for k, v in plan.host_per_param.items()) + ")") if mem.offload else ""

@@ -24,6 +24,7 @@ from holotrain.hw.lever import build as build_hardware
 from holotrain.memory import Memory
 from holotrain.memory import build as build_memory
 from holotrain.memory import build_optimizer as _build_optimizer
+from holotrain.memory.plan import gpu_cap_bytes
 from holotrain.model import Llama, flops_per_token, num_params
 from holotrain.optim import AdamWHyper, StepOptimizer
 from holotrain.precision import build as build_precision
@@ -128,6 +129,10 @@ def _sigterm_as_exit():
 
 
 def _train(cfg: Config, env: DistEnv) -> list[dict]:
+    # Before resolve_job: the allocator's settings must precede the first CUDA allocation, and an "auto"
+    # memory.offload_ratio is planned within the GPU memory cap.
+    if env.device.type == "cuda":
+        _set_up_gpu_memory(cfg, env)
     job = resolve_job(cfg, env)
     cfg, run_dir = job.cfg, job.cfg.run_dir
     if env.is_main:
@@ -177,6 +182,48 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     if report is not None:
         print(f"holotrain: report {report}")
     return rows
+
+
+def expandable_segments_reason(cfg: Config, environ) -> str | None:
+    """Why a CUDA run should use the allocator's expandable segments, or None. A capped GPU (hw.gpu_memory_gb) or an
+    offloaded run (memory.offload) works close to its memory limit, where the caching allocator's fixed-size
+    segments can lose gigabytes to fragmentation; expandable segments grow in place instead. The user's own
+    allocator settings (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF) are left alone."""
+    if environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF"):
+        return None
+    reasons = []
+    if cfg.hw.gpu_memory_gb > 0:
+        reasons.append(f"hw.gpu_memory_gb = {cfg.hw.gpu_memory_gb:g}")
+    if cfg.memory.offload:
+        reasons.append("memory.offload")
+    return " and ".join(reasons) or None
+
+
+def _set_up_gpu_memory(cfg: Config, env: DistEnv) -> None:
+    """Expandable segments where the run needs them, and the cap hw.gpu_memory_gb on this process's allocator
+    (the memory plan reads the cap back through torch.cuda.get_per_process_memory_fraction)."""
+    reason = expandable_segments_reason(cfg, os.environ)
+    if reason is not None:
+        # torch.cuda.memory._set_allocator_settings is deprecated in favour of the accelerator-wide setter.
+        set_allocator_settings = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                                  or torch.cuda.memory._set_allocator_settings)
+        try:
+            set_allocator_settings("expandable_segments:True")
+            if env.is_main:
+                print(f"holotrain: CUDA allocator: expandable segments (for {reason}, against fragmentation; "
+                      "PYTORCH_CUDA_ALLOC_CONF chooses otherwise)", flush=True)
+        except RuntimeError as e:
+            if env.is_main:
+                first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+                print(f"holotrain: warning: CUDA allocator: expandable segments not applied ({first_line}); set "
+                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting", flush=True)
+    cap_gb = cfg.hw.gpu_memory_gb
+    if cap_gb > 0:  # a negative value is left to the config check in resolve_job
+        total = torch.cuda.get_device_properties(env.device).total_memory
+        if cap_gb * 1e9 > total and env.is_main:
+            print(f"holotrain: warning: hw.gpu_memory_gb = {cap_gb:g} is larger than the GPU ({total / 1e9:.1f} GB) "
+                  "and is ignored", flush=True)
+        torch.cuda.set_per_process_memory_fraction(gpu_cap_bytes(total, cap_gb) / total, env.device)
 
 
 def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, micro, accum, dtype) -> list[dict]:

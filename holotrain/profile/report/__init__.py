@@ -35,6 +35,7 @@ from holotrain.profile.report.data import (
     _weighted_mean,
 )
 from holotrain.profile.report.hardware import _hw_section, _probe_table
+from holotrain.profile.report.plan import plan_section
 from holotrain.profile.report.markup import CSS, SCRIPT, _figs, _fmt, _note, _pct, _section, _table, esc
 from holotrain.profile.report.sinks import _sinks
 
@@ -155,6 +156,9 @@ def write_report(run_dir) -> Path:
                       "(profile.trace_steps): their logged interval is slower by design.")
     parts.append(_section("Throughput and loss", body, "throughput"))
     parts.append(_section("Goodput", _goodput_section(run_dir, rows), "goodput"))
+    planned = plan_section(run_dir, rows)
+    if planned is not None:
+        parts.append(_section("Plan: predicted and measured", planned, "plan"))
 
     # -- phases
     phase_keys = _phase_keys(rows)

@@ -1,0 +1,186 @@
+"""The cost model: for one candidate setting of a job, the peak GPU and host memory, the step time split by phase,
+tokens/s, MFU and J/token, from the model's shapes and this machine's measured rates.
+
+Memory is the memory plan's (memory/plan.py: weights, gradients, optimizer state, activations, pinned buffers),
+with FP8's smaller saved activations. Time is summed from phases:
+
+  compute     the step's matmul FLOPs (forward recomputation under activation checkpointing included) at this
+              machine's GEMM rate for the job's shapes (measured, see Machine), times an efficiency that trials
+              calibrate (the rest of a step: attention kernels, norms, launches), divided by FP8's GEMM gain
+  micro       a fixed cost per micro-batch (launches, Python), calibrated by trials
+  offload     the CPU step's exposed part: n offloaded parameters at the measured CPU AdamW rate, hidden behind
+              backward and the next forward when the step speculates, behind the next forward only when clipping
+              makes it wait for the norm (the engine's overlap rule, memory/offload/engine.py)
+  checkpoint  the blocking part of a save (state bytes at the device-to-host rate; the held state with offload),
+              spread over the save interval
+
+Calibration: each trial's measured step time (and CPU step, with offload) rescales the efficiency it depends on,
+so the candidates not tried are predicted with what the tried ones measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from holotrain.memory.activation_checkpointing import checkpointed_blocks
+from holotrain.memory.plan import Plan, plan_memory
+from holotrain.model import flops_per_token
+from holotrain.train.resolve import model_args
+
+# Priors until a trial measures them. The GEMM efficiency: the share of the machine's GEMM rate a whole step
+# reaches (the 1.4b compiled on an H200: 555 of 658 TFLOP/s sustained); eager steps launch more, smaller kernels.
+EFFICIENCY = {("cuda", True): 0.84, ("cuda", False): 0.70, ("cpu", True): 0.5, ("cpu", False): 0.5}
+MICRO_S = {"cuda": 0.004, "cpu": 0.002}  # fixed seconds per micro-batch
+FP8_ACTIVATIONS = 0.57  # FP8's saved activations against bf16's (the 1.4b at B=8: 13.9 vs 24.3 GB)
+D2H_BYTES_S = 51e9  # a save's device-to-host copy (pinned, measured on the H200)
+HELD_SAVE_S = 0.05  # a save with offload: the host state is held, not copied (bench/RESULTS.md)
+
+
+@dataclass
+class Machine:
+    """What the cost model needs of this machine, measured (hw/probe.py, cached) or read from the device."""
+
+    device: str  # "cuda" | "cpu"
+    name: str  # the GPU's name, or the CPU model
+    gpu_total: float | None  # bytes of the GPU, or hw.gpu_memory_gb when set; None without a GPU
+    gpu_memory: float | None  # bytes a run may use of it now (free, less the allocator's losses)
+    host_memory: float  # bytes of host RAM available
+    gemm_flops: float  # sustained dense GEMM FLOP/s (bf16 on a GPU, fp32 on a CPU) at large shapes
+    peak_flops: float | None  # the bf16 peak that MFU is quoted against
+    adamw_params_s: float  # CPU AdamW, parameters per second (the offload engine's step)
+    host_copy_bytes_s: float  # a host-to-host copy (a save of host-resident state, on a CPU)
+    power_w: float | None  # the GPU's power limit: J/token when the run draws it
+    fp8: bool  # FP8 matmuls available (sm_89+)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.device, self.name, self.gpu_total)
+
+
+def fingerprint(device: str, name: str, gpu_total: float | None) -> str:
+    """What a plan is only valid on: the device's name and the GPU memory a run may use, to the GB."""
+    mem = f"{gpu_total / 1e9:.0f}GB" if gpu_total else "cpu"
+    return f"{device}:{name}:{mem}"
+
+
+@dataclass
+class Calibration:
+    """What trials measured, as corrections of the priors."""
+
+    efficiency: dict = field(default_factory=dict)  # (device, compiled) -> measured GEMM efficiency
+    adamw_params_s: float | None = None  # measured offload CPU rate
+    fp8_gain: float | None = None  # measured step-time gain of FP8, or the GEMM probe's prediction
+    power_w: float | None = None  # measured average power under load
+
+
+@dataclass
+class Prediction:
+    gpu_bytes: float | None
+    host_bytes: float
+    fits: bool
+    why_not: str  # "" when it fits
+    phases: dict[str, float]  # seconds per step: compute, micro, offload, checkpoint
+    tokens_per_step: int
+    flops_per_step: float
+    peak_flops: float | None
+    power_w: float | None
+    offloaded: int = 0  # parameters whose AdamW runs on the CPU
+    save_s: float = 0.0  # what one checkpoint save blocks for
+    memory: dict[str, float] = field(default_factory=dict)  # component -> bytes (GPU, or host on a CPU)
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float | None:
+        return self.flops_per_step / self.step_s / self.peak_flops if self.peak_flops else None
+
+    @property
+    def j_per_token(self) -> float | None:
+        return self.power_w * self.step_s / self.tokens_per_step if self.power_w else None
+
+
+def _memory(model, cfg, machine: Machine, micro: int, accum: int) -> Plan:
+    device = torch.device(machine.device)
+    plan = plan_memory(model, cfg, 1, device, micro, accum, gpu_capacity=machine.gpu_memory,
+                       host_capacity=machine.host_memory, local_ranks=1)
+    if cfg.training.fp8 != "none":
+        key = "activations (estimate)"
+        parts = plan.gpu if key in plan.gpu else plan.host
+        parts[key] = parts[key] * FP8_ACTIVATIONS
+    return plan
+
+
+def recompute_share(cfg) -> float:
+    """Extra matmul work of activation checkpointing: each recomputed block runs its forward (a third of its
+    training FLOPs) again."""
+    m = cfg.model
+    n = len(checkpointed_blocks(cfg.memory.activation_checkpointing, m.n_layers))
+    return n / m.n_layers / 3
+
+
+def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum: int) -> Prediction:
+    """The candidate `cfg` (resolved, micro-batch `micro` x `accum` per step) on `machine`."""
+    t, m = cfg.training, cfg.model
+    plan = _memory(model, cfg, machine, micro, accum)
+    why = []
+    if not plan.gpu_fits:
+        why.append(f"GPU needs {plan.gpu_need / 1e9:.1f} GB of {plan.gpu_capacity / 1e9:.1f}")
+    if not plan.host_fits:
+        why.append(f"host needs {plan.host_need / 1e9:.1f} GB of {plan.host_capacity / 1e9:.1f}")
+
+    tokens = micro * accum * cfg.data.seq_len
+    flops = flops_per_token(model_args(cfg), cfg.data.seq_len) * tokens
+    body = flops * (1 + recompute_share(cfg))
+    eff = calib.efficiency.get((machine.device, t.compile), EFFICIENCY[(machine.device, t.compile)])
+    compute = body / (machine.gemm_flops * eff)
+    if t.fp8 != "none":
+        compute /= calib.fp8_gain or 1.0
+    phases = {"compute": compute, "micro": MICRO_S[machine.device] * accum}
+
+    offloaded = plan.n_offloaded if cfg.memory.offload else 0
+    if offloaded:
+        cpu = offloaded / (calib.adamw_params_s or machine.adamw_params_s)
+        backward, forward = compute * 2 / 3, compute / 3
+        # Clipped steps wait for the norm: only the next forward hides the update (the first unit's share of it
+        # is always exposed); steps that speculate also hide it behind backward. Early steps nearly all clip.
+        clipped = t.grad_clip > 0
+        hidden = forward if clipped else forward + backward
+        units = m.n_layers + 2
+        phases["offload"] = max(cpu / units, cpu - hidden * (1 - 1 / units))
+    # A save blocks while weights and moments (12 of the 16 bytes per parameter) are copied to the host; with
+    # offload the host-resident part is held, not copied.
+    state_bytes = (plan.n_params - offloaded) * 12
+    save_s = HELD_SAVE_S if offloaded else state_bytes / (
+        D2H_BYTES_S if machine.device == "cuda" else machine.host_copy_bytes_s)
+    if cfg.checkpoint.every:
+        phases["checkpoint"] = save_s / cfg.checkpoint.every
+    memory = plan.gpu if machine.device == "cuda" else plan.host
+    return Prediction(plan.gpu_need if machine.device == "cuda" else None, plan.host_need, not why, "; ".join(why),
+                      phases, tokens, flops, machine.peak_flops, calib.power_w or machine.power_w, offloaded,
+                      save_s, dict(memory))
+
+
+def young_daly_steps(blocking_s: float, mtbf_hours: float, step_s: float) -> int:
+    """The checkpoint interval that loses the least time to saving and to recomputing after a failure (Young/Daly:
+    sqrt(2 x save cost x MTBF)), in steps."""
+    interval = math.sqrt(2 * max(blocking_s, 1e-3) * mtbf_hours * 3600)
+    return max(1, round(interval / step_s))
+
+
+def with_settings(cfg, settings: dict):
+    """A copy of the resolved `cfg` with `settings` ("section.key" -> value) applied (the config is frozen)."""
+    sections = {}
+    for name, value in settings.items():
+        section, key = name.split(".")
+        sections.setdefault(section, {})[key] = value
+    changes = {s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()}
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,318 @@
+"""`holotrain plan`: every candidate setting of the job predicted by the cost model, the ones that cannot fit pruned,
+the best few tried for a few steps through `holotrain train` (each trial recalibrating the model before the next
+is chosen), and the best measured written as an overlay, plan.toml, with every candidate in plan.json.
+
+The candidates (one process, one GPU or the CPU): micro-batch (and so gradient accumulation), activation
+checkpointing, loss chunking, memory.offload and its ratio, FP8 where the GPU has it, and compilation, on a GPU;
+micro-batch and activation checkpointing on a CPU. The checkpoint interval is not a candidate: it follows from
+the chosen setting's save cost and job.mtbf_hours (Young/Daly)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
+from holotrain.model import Llama
+from holotrain.plan.cost import (
+    EFFICIENCY,
+    Calibration,
+    Machine,
+    Prediction,
+    predict,
+    with_settings,
+    young_daly_steps,
+)
+from holotrain.plan.trials import Measured, run_trial
+from holotrain.train.resolve import model_args
+
+OVERLAY_KEYS = ("training", "memory", "checkpoint")  # the sections a plan sets
+
+
+@dataclass
+class Candidate:
+    settings: dict  # "section.key" -> value
+    micro: int
+    accum: int
+    predicted: Prediction | None = None
+    predicted_at_trial: dict | None = None  # the prediction when it was chosen for a trial, before its measurement
+    measured: Measured | None = None
+
+    @property
+    def label(self) -> str:
+        s = self.settings
+        parts = [f"micro {self.micro}x{self.accum}", f"ac {s['memory.activation_checkpointing']}"]
+        if s.get("memory.offload"):
+            parts.append(f"offload {s['memory.offload_ratio']:g}")
+        if s.get("training.fp8", "none") != "none":
+            parts.append("fp8")
+        if s.get("memory.loss_chunk_tokens"):
+            parts.append(f"chunk {s['memory.loss_chunk_tokens']}")
+        parts.append("compiled" if s.get("training.compile") else "eager")
+        return ", ".join(parts)
+
+
+def job_config(config: str | None, overrides: list[str]) -> Config:
+    """The job resolved as far as the cost model needs, without building the corpus: the vocabulary of a tokenizer
+    still to be trained is taken as data.vocab_size."""
+    cfg = load_config(config, overrides)
+    return resolve(cfg, tokenizer_vocab=None if cfg.model.vocab_size else cfg.data.vocab_size)
+
+
+def job_signature(cfg: Config) -> str:
+    """What a plan belongs to: the model's shape, the sequence length and the batch."""
+    m = cfg.model
+    return (f"dim {m.dim}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} heads, ffn {m.ffn_dim}, vocab "
+            f"{m.vocab_size}, seq {cfg.data.seq_len}, batch {cfg.training.batch_size}")
+
+
+def enumerate_candidates(cfg: Config, machine: Machine) -> list[Candidate]:
+    t = cfg.training
+    micros = [m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= t.batch_size and t.batch_size % m == 0]
+    gpu = machine.device == "cuda"
+    offloads = [(False, 1.0)] + ([(True, r) for r in (0.25, 0.5, 0.75, 1.0)] if gpu else [])
+    fp8s = ["none"] + (["tensorwise"] if gpu and machine.fp8 else [])
+    compiles = [True, False] if gpu else [t.compile]
+    out = []
+    for micro, ac, (offload, ratio), fp8, compiled, chunk in itertools.product(
+            micros, ("none", "selective", "full"), offloads, fp8s, compiles, (0, 8192)):
+        if chunk and ac != "none":
+            continue  # under activation checkpointing the loss is chunked already (auto)
+        settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
+                    "memory.offload": offload, "memory.offload_ratio": ratio, "training.compile": compiled,
+                    "memory.loss_chunk_tokens": chunk}
+        if gpu:
+            settings["training.fp8"] = fp8
+        out.append(Candidate(settings, micro, t.batch_size // micro))
+    return out
+
+
+def _objective(cfg: Config):
+    if cfg.plan.objective == "j_per_token":
+        return lambda p: -(p.j_per_token if p.j_per_token is not None else float("inf"))
+    return lambda p: p.tokens_per_s
+
+
+def _measured_score(cfg: Config, m: Measured) -> float:
+    if cfg.plan.objective == "j_per_token":
+        return -(m.j_per_token if m.j_per_token is not None else float("inf"))
+    return m.tokens_per_s or 0.0
+
+
+def _calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> None:
+    """Folds a trial's measurements into the calibration: the CPU AdamW rate from its CPU step (with offload), then
+    the GEMM efficiency of its (device, compiled), or FP8's gain where the bf16 efficiency is known already, from
+    its step time less the other phases as predicted."""
+    m = c.measured
+    if m.step_s is None:
+        return
+    if m.cpu_step_s and c.predicted.offloaded:
+        calib.adamw_params_s = c.predicted.offloaded / m.cpu_step_s
+    p = repredict(c)
+    compute = m.step_s - sum(v for k, v in p.phases.items() if k != "compute")
+    if compute <= 0:
+        return
+    key = (machine.device, bool(c.settings.get("training.compile")))
+    if c.settings.get("training.fp8", "none") != "none" and key in calib.efficiency:
+        calib.fp8_gain = (calib.fp8_gain or 1.0) * p.phases["compute"] / compute
+        return
+    calib.efficiency[key] = calib.efficiency.get(key, EFFICIENCY[key]) * p.phases["compute"] / compute
+
+
+@dataclass
+class PlanResult:
+    chosen: Candidate
+    candidates: list[Candidate]
+    checkpoint_every: int
+    blocking_s: float
+    machine: Machine
+    signature: str
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: Machine | None = None,
+              log=print) -> PlanResult:
+    """Plans the job and writes out_dir/plan.toml and out_dir/plan.json."""
+    t0 = time.perf_counter()
+    cfg = job_config(config, overrides)
+    device = torch.device("cuda" if (cfg.job.device != "cpu" and torch.cuda.is_available()) else "cpu")
+    if machine is None:
+        from holotrain.data.corpus import cache_dir
+        from holotrain.plan.machine import measure_machine
+
+        machine = measure_machine(device, cfg.hw.gpu_memory_gb, cache_dir(cfg.data.cache_dir))
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    calib = Calibration()
+    if machine.device == "cuda" and machine.fp8:
+        from holotrain.precision.lever import fp8_shapes
+        from holotrain.precision.probe import predict as fp8_predict
+
+        micro, _ = batch_layout(cfg, 1)
+        rows = fp8_predict(fp8_shapes(model, cfg.training.fp8_skip), micro * cfg.data.seq_len, device)
+        bf16 = sum(r["bf16_s"] * r["layers"] for r in rows)
+        calib.fp8_gain = bf16 / max(1e-9, sum((r["fp8_s"] + r["cast_s"]) * r["layers"] for r in rows))
+
+    candidates = enumerate_candidates(cfg, machine)
+    score = _objective(cfg)
+
+    def repredict(c: Candidate) -> Prediction:
+        return predict(model, with_settings(cfg, c.settings), machine, calib, c.micro, c.accum)
+
+    def predict_all():
+        for c in candidates:
+            c.predicted = repredict(c)
+
+    predict_all()
+    fitting = [c for c in candidates if c.predicted.fits]
+    if not fitting:
+        raise ConfigError(_nothing_fits(cfg, candidates))
+    tried: list[Candidate] = []
+    for i in range(cfg.plan.trials):
+        left = [c for c in fitting if c.measured is None]
+        if not left:
+            break
+        best = max(left, key=lambda c: score(c.predicted))
+        best.predicted_at_trial = _prediction_dict(best.predicted)
+        log(f"holotrain: plan: trial {i + 1}/{cfg.plan.trials}: {best.label} (predicted "
+            f"{best.predicted.tokens_per_s:,.0f} tokens/s)")
+        best.measured = run_trial(config, overrides, best.settings, cfg.plan.trial_steps,
+                                  out_dir / f"trial-{i + 1}", timeout_s=600)
+        tried.append(best)
+        if best.measured.error:
+            log(f"holotrain: plan: trial {i + 1} failed: {best.measured.error}")
+            continue
+        _calibrate(calib, best, machine, repredict)
+        predict_all()
+    ran = [c for c in tried if not c.measured.error]
+    if ran:
+        chosen = max(ran, key=lambda c: _measured_score(cfg, c.measured))
+    else:
+        chosen = max(fitting, key=lambda c: score(c.predicted))
+    blocking = chosen.predicted.save_s
+    step_s = chosen.measured.step_s if chosen.measured and chosen.measured.step_s else chosen.predicted.step_s
+    every = young_daly_steps(blocking, cfg.job.mtbf_hours, step_s)
+    result = PlanResult(chosen, candidates, every, blocking, machine, job_signature(cfg), time.perf_counter() - t0)
+    write_plan(result, cfg, out_dir)
+    return result
+
+
+def _nothing_fits(cfg: Config, candidates: list[Candidate]) -> str:
+    def need(c):
+        p = c.predicted
+        return (p.gpu_bytes if p.gpu_bytes is not None else p.host_bytes)
+
+    closest = min(candidates, key=need)
+    return (f"nothing fits: of {len(candidates)} settings of this job ({job_signature(cfg)}), the smallest needs "
+            f"{need(closest) / 1e9:.1f} GB ({closest.label}: {closest.predicted.why_not}). Use a smaller "
+            "training.batch_size or model, more GPUs, or a machine with more memory (hw.gpu_memory_gb caps it)")
+
+
+def _prediction_dict(p: Prediction) -> dict:
+    return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "j_per_token": p.j_per_token,
+            "gpu_gb": None if p.gpu_bytes is None else p.gpu_bytes / 1e9, "host_gb": p.host_bytes / 1e9,
+            "phases_s": dict(p.phases), "fits": p.fits, "why_not": p.why_not,
+            "memory_gb": {k: v / 1e9 for k, v in p.memory.items()}}
+
+
+def _overlay(result: PlanResult) -> dict:
+    out: dict = {}
+    for name, value in result.chosen.settings.items():
+        section, key = name.split(".")
+        out.setdefault(section, {})[key] = value
+    out.setdefault("checkpoint", {})["every"] = result.checkpoint_every
+    return out
+
+
+def write_plan(result: PlanResult, cfg: Config, out_dir: Path) -> None:
+    import tomli_w
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    c = result.chosen
+    planned = {"machine": result.machine.fingerprint, "job": result.signature, "objective": cfg.plan.objective,
+               "predicted_tokens_per_s": round(c.predicted.tokens_per_s, 1),
+               "checkpoint_interval": f"Young/Daly: {result.blocking_s:.3f} s per save, job.mtbf_hours = "
+                                      f"{cfg.job.mtbf_hours:g}"}
+    if c.measured and c.measured.tokens_per_s:
+        planned["measured_tokens_per_s"] = round(c.measured.tokens_per_s, 1)
+    doc = {"planned": planned, **_overlay(result)}
+    (out_dir / "plan.toml").write_text("# holotrain plan: an overlay for `holotrain train --plan plan.toml`\n"
+                                       + tomli_w.dumps(doc))
+    rows = []
+    for cand in sorted(result.candidates, key=lambda x: -x.predicted.tokens_per_s):
+        rows.append({"label": cand.label, "settings": cand.settings, "micro": cand.micro, "accum": cand.accum,
+                     "predicted": _prediction_dict(cand.predicted),
+                     "predicted_at_trial": cand.predicted_at_trial,
+                     "measured": dataclasses.asdict(cand.measured) if cand.measured else None,
+                     "chosen": cand is c})
+    (out_dir / "plan.json").write_text(json.dumps({
+        "planned": planned, "overlay": _overlay(result), "machine": dataclasses.asdict(result.machine),
+        "seconds": round(result.seconds, 1), "candidates": rows}, indent=1))
+
+
+def print_table(result: PlanResult, limit: int = 12) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"holotrain plan: {result.signature} on {result.machine.name}")
+    for col in ("setting", "fits", "pred. tokens/s", "pred. step s", "pred. GB", "meas. tokens/s", "meas. GB"):
+        table.add_column(col, justify="left" if col == "setting" else "right")
+    fitting = sorted((c for c in result.candidates if c.predicted.fits), key=lambda c: -c.predicted.tokens_per_s)
+    shown = [c for c in result.candidates if c.measured] + [c for c in fitting if not c.measured][:limit]
+    for c in shown:
+        p, m = c.predicted, c.measured
+        gb = p.gpu_bytes if p.gpu_bytes is not None else p.host_bytes
+        table.add_row(("* " if c is result.chosen else "  ") + c.label, "yes" if p.fits else "no",
+                      f"{p.tokens_per_s:,.0f}", f"{p.step_s:.3f}", f"{gb / 1e9:.1f}",
+                      f"{m.tokens_per_s:,.0f}" if m and m.tokens_per_s else (m.error[:30] if m else ""),
+                      f"{m.peak_gb:.1f}" if m and m.peak_gb else "")
+    console = Console()
+    if not console.is_terminal:  # a log file: no wrapping of the settings column
+        console = Console(width=150)
+    console.print(table)
+    console.print(f"chosen: {result.chosen.label}; checkpoint.every = {result.checkpoint_every} (Young/Daly, "
+                  f"{result.blocking_s:.3f} s per save); planned in {result.seconds:.0f} s")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Taking a plan
+
+
+def read_overlay(path: Path) -> tuple[dict, dict]:
+    """(the [planned] facts, the overlay's sections) of a plan.toml."""
+    import tomllib
+
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--plan {path}: cannot read it ({e})") from None
+    planned = doc.pop("planned", None)
+    if not isinstance(planned, dict) or "machine" not in planned or "job" not in planned:
+        raise ConfigError(f"--plan {path}: not a holotrain plan (no [planned] machine and job)")
+    unknown = [s for s in doc if s not in OVERLAY_KEYS]
+    if unknown:
+        raise ConfigError(f"--plan {path}: a plan sets only {', '.join(OVERLAY_KEYS)}, not {', '.join(unknown)}")
+    return planned, doc
+
+
+def plan_overrides(path: Path, config: str | None, overrides: list[str], machine_fingerprint: str) -> list[str]:
+    """The plan's settings as overrides to put between the job's config and its command line; a plan made for
+    another machine or another job is refused in one line."""
+    from holotrain.plan.trials import as_override
+
+    planned, sections = read_overlay(path)
+    cfg = job_config(config, overrides)
+    if planned["job"] != job_signature(cfg):
+        raise ConfigError(f"--plan {path} was made for another job ({planned['job']}); this one is "
+                          f"{job_signature(cfg)}. Plan it again: holotrain plan")
+    if planned["machine"] != machine_fingerprint:
+        raise ConfigError(f"--plan {path} was made on another machine ({planned['machine']}); this one is "
+                          f"{machine_fingerprint}. Plan it again: holotrain plan")
+    return [as_override(f"{s}.{k}", v) for s, kv in sections.items() for k, v in kv.items()]

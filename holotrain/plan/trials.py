@@ -1,0 +1,66 @@
+"""A short trial of one candidate: the real job through `holotrain train` (its config, the candidate's settings, the
+real corpus, clipping as configured) for a few steps in a scratch run directory, and what it measured."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_UNTIMED = 2  # the first steps: compilation, allocator and clock warm-up
+
+
+@dataclass
+class Measured:
+    step_s: float | None  # median over the timed steps
+    tokens_per_s: float | None
+    peak_gb: float | None  # GPU peak (host RSS on a CPU)
+    cpu_step_s: float | None  # the offload engine's CPU step
+    speculated: float | None  # share of steps the offload engine speculated (did not clip)
+    j_per_token: float | None
+    error: str  # "" when the trial ran
+
+
+def as_override(name: str, value) -> str:
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    return f"--{name}={value}"
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def run_trial(config: str | None, overrides: list[str], settings: dict, steps: int, run_dir: Path,
+              timeout_s: float) -> Measured:
+    """Trains `steps` steps of the job with `settings` ("section.key" -> value) in `run_dir` (removed after)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = [sys.executable, "-m", "holotrain.cli", "train"] + (["--config", config] if config else []) + overrides
+    args += [as_override(k, v) for k, v in settings.items()]
+    args += [f"--training.steps={steps}", "--training.log_every=1", f"--job.run_dir={run_dir}",
+             "--checkpoint.every=0", "--checkpoint.save_final=false", "--checkpoint.memory_every=0",
+             "--profile.report=false", "--profile.tensorboard=false", "--profile.progress=false"]
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+            if (run_dir / "metrics.jsonl").is_file() else []
+        if proc.returncode != 0 or not rows:
+            lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+            return Measured(None, None, None, None, None, None, (lines[-1] if lines else f"exit {proc.returncode}")[:300])
+    except subprocess.TimeoutExpired:
+        return Measured(None, None, None, None, None, None, f"did not finish within {timeout_s:.0f} s")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    timed = [r for r in rows if r["step"] > _UNTIMED] or rows[-1:]
+    step_s = _median([r.get("step_s") for r in timed])
+    peaks = [r.get("mem.peak_gb") or r.get("mem.host_rss_gb") for r in rows]
+    tokens = rows[-1]["tokens"] / rows[-1]["step"]
+    return Measured(step_s, tokens / step_s if step_s else None, max((p for p in peaks if p), default=None),
+                    _median([r.get("offload.cpu_step_s") for r in timed]),
+                    _median([r.get("offload.speculated") for r in timed]),
+                    rows[-1].get("energy.run_j_per_token") or _median([r.get("energy.j_per_token") for r in timed]),
+                    "")

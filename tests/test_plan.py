@@ -1,0 +1,110 @@
+"""holotrain plan: the cost model, short trials through `holotrain train`, plan.toml / plan.json, and taking a plan."""
+
+import json
+import tomllib
+
+import pytest
+import torch
+
+from tests.conftest import read_metrics, run_cli, tiny_args
+
+
+@pytest.fixture(scope="module")
+def default_plan(tmp_path_factory):
+    """The default job (the embedded tiny model) planned on this CPU with two trials."""
+    out = tmp_path_factory.mktemp("plan")
+    proc = run_cli("plan", "--out", str(out), "--plan.trials=2", "--plan.trial_steps=5", f"--job.run_dir={out / 'run'}")
+    return out, proc
+
+
+def test_plan_of_the_default_job_writes_the_overlay_and_every_candidate(default_plan):
+    out, proc = default_plan
+    assert "holotrain plan:" in proc.stdout and "chosen:" in proc.stdout, proc.stdout
+    overlay = tomllib.loads((out / "plan.toml").read_text())
+    assert overlay["planned"]["machine"].startswith("cpu:") and "dim 256" in overlay["planned"]["job"]
+    assert overlay["training"]["micro_batch_size"] in (1, 2, 4, 8, 16)
+    assert overlay["checkpoint"]["every"] >= 1
+    plan = json.loads((out / "plan.json").read_text())
+    rows = plan["candidates"]
+    # On a CPU: 5 micro-batches x (no checkpointing, with and without a chunked loss; selective; full).
+    assert len(rows) == 20 and all(r["predicted"]["fits"] for r in rows)
+    tried = [r for r in rows if r["measured"]]
+    assert len(tried) == 2 and all(not r["measured"]["error"] for r in tried)
+    chosen = [r for r in rows if r["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["measured"]
+    assert chosen[0]["measured"]["tokens_per_s"] == max(r["measured"]["tokens_per_s"] for r in tried)
+    assert overlay["training"]["micro_batch_size"] == chosen[0]["micro"]
+
+
+def test_calibrated_prediction_of_the_cpu_step_time(default_plan):
+    """The second trial was predicted with what the first measured: within 25% of what it measured."""
+    out, _ = default_plan
+    second = [r for r in json.loads((out / "plan.json").read_text())["candidates"] if r["measured"]]
+    second = [r for r in second if r["predicted_at_trial"]["step_s"] < 10 * r["measured"]["step_s"]]
+    predicted, measured = second[-1]["predicted_at_trial"]["step_s"], second[-1]["measured"]["step_s"]
+    assert abs(predicted - measured) / measured <= 0.25, (predicted, measured)
+
+
+def test_train_takes_a_plan_and_refuses_another_jobs_or_machines(default_plan, tmp_path):
+    out, _ = default_plan
+    overlay = tomllib.loads((out / "plan.toml").read_text())
+    run = tmp_path / "planned"
+    run_cli("train", "--plan", str(out / "plan.toml"), "--training.steps=3", "--training.log_every=1",
+            f"--job.run_dir={run}", "--profile.progress=false", "--profile.tensorboard=false")
+    config = tomllib.loads((run / "config.toml").read_text())
+    assert config["training"]["micro_batch_size"] == overlay["training"]["micro_batch_size"]
+    assert config["checkpoint"]["every"] == overlay["checkpoint"]["every"]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+
+    proc = run_cli("train", "--plan", str(out / "plan.toml"), "--model.n_layers=2", f"--job.run_dir={run}-2",
+                   check=False)
+    assert proc.returncode == 2 and "was made for another job" in proc.stderr and "Traceback" not in proc.stderr
+    elsewhere = tmp_path / "elsewhere.toml"
+    elsewhere.write_text((out / "plan.toml").read_text().replace(overlay["planned"]["machine"], "cuda:NVIDIA H200:143GB"))
+    proc = run_cli("train", "--plan", str(elsewhere), f"--job.run_dir={run}-3", check=False)
+    assert proc.returncode == 2 and "was made on another machine (cuda:NVIDIA H200:143GB)" in proc.stderr
+
+
+def test_train_with_plan_auto_plans_then_trains(tmp_path):
+    run = tmp_path / "auto"
+    proc = run_cli("train", "--plan", "auto", *tiny_args(run, **{"training.steps": 3, "plan.trials": 1,
+                                                                 "plan.trial_steps": 3}))
+    assert "holotrain plan:" in proc.stdout and (run / "plan.toml").is_file() and (run / "plan.json").is_file()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    assert "plan" in (run / "report.html").read_text().lower()
+
+
+def test_nothing_fits_names_the_smallest_memory_it_would_need(tmp_path):
+    proc = run_cli("plan", "--out", str(tmp_path), "--model.preset=7b", "--model.n_layers=200", "--data.seq_len=2048",
+                   "--data.vocab_size=32000", "--training.batch_size=8", "--job.device=cpu", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "nothing fits" in proc.stderr and "the smallest needs" in proc.stderr and "GB" in proc.stderr
+
+
+def test_cost_model_rules():
+    """Young/Daly; FP8 keeps fewer activations; a clipped offloaded step exposes more of the CPU step than one that
+    speculates; activation checkpointing costs a recomputed forward."""
+    from holotrain.model import Llama
+    from holotrain.plan.cost import Calibration, Machine, predict, recompute_share, with_settings, young_daly_steps
+    from holotrain.plan.planner import job_config
+    from holotrain.train.resolve import model_args
+
+    assert young_daly_steps(0.5, 24.0, 0.3) == round((2 * 0.5 * 24 * 3600) ** 0.5 / 0.3)
+    cfg = job_config("1.4b", [])
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    gpu = Machine("cuda", "H200", 141e9, 134e9, 120e9, 660e12, 989e12, 5e9, 45e9, 700.0, True)
+    calib = Calibration(fp8_gain=1.2)
+
+    def run(**settings):
+        return predict(model, with_settings(cfg, settings), gpu, calib, 8, 1)
+
+    base, fp8 = run(), run(**{"training.fp8": "tensorwise"})
+    assert fp8.gpu_bytes < base.gpu_bytes and fp8.phases["compute"] == pytest.approx(base.phases["compute"] / 1.2)
+    clipped = run(**{"memory.offload": True})
+    speculated = run(**{"memory.offload": True, "training.grad_clip": 0.0})
+    assert clipped.phases["offload"] > speculated.phases["offload"] and clipped.gpu_bytes < base.gpu_bytes
+    assert recompute_share(with_settings(cfg, {"memory.activation_checkpointing": "full"})) == pytest.approx(1 / 3)
+    full = run(**{"memory.activation_checkpointing": "full"})
+    assert full.phases["compute"] == pytest.approx(base.phases["compute"] * 4 / 3)
+    assert full.gpu_bytes < base.gpu_bytes
