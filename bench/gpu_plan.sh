@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The planner on one GPU, through the real commands: `holotrain plan` on a shipped config (timed), then the planned
 # setting and the shipped defaults trained for STEPS steps each through `holotrain train`, in the same call.
-# Usage (repo root, on the GPU machine): bash bench/gpu_plan.sh OUT_DIR [CONFIG] [STEPS] [extra overrides ...]
+# Usage (repo root, on the GPU machine): [RUNS="planned default"] bash bench/gpu_plan.sh OUT_DIR [CONFIG] [STEPS] [overrides ...]
 set -uo pipefail
 out=${1:?output directory}; config=${2:-1.4b}; steps=${3:-60}; shift 3 2>/dev/null || shift $#
 export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
@@ -9,7 +9,7 @@ quiet=(--profile.progress=false --profile.tensorboard=false)
 s=$SECONDS
 timeout 400 python3 -m holotrain.cli plan --config "$config" --out "$out/plan" "${quiet[@]}" "$@" > "$out/plan.log" 2>&1
 echo "== plan: rc $? in $(( SECONDS - s )) s"; tail -25 "$out/plan.log"
-for run in planned default; do
+for run in ${RUNS:-planned default}; do
   s=$SECONDS
   extra=(); [ $run = planned ] && extra=(--plan "$out/plan/plan.toml")
   timeout 300 python3 -m holotrain.cli train --config "$config" "${extra[@]}" "${quiet[@]}" "$@" \

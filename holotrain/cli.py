@@ -44,14 +44,12 @@ def _planned(config: str | None, overrides: list[str], plan: str) -> list[str]:
     import shutil
     from pathlib import Path
 
-    import torch
-
     from holotrain.plan import make_plan, plan_overrides, print_table
     from holotrain.plan.machine import machine_fingerprint
-    from holotrain.plan.planner import job_config
+    from holotrain.plan.planner import job_config, plan_device
 
     cfg = job_config(config, overrides)
-    device = torch.device("cuda" if (cfg.job.device != "cpu" and torch.cuda.is_available()) else "cpu")
+    device = plan_device(cfg)
     if plan == "auto":
         result = make_plan(config, overrides, cfg.run_dir)
         print_table(result)

@@ -27,7 +27,7 @@ def test_gpu_resume_continues(tmp_path):
 
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 def test_attention_kernels_agree_with_math(kernel):
-    from holotrain.train.trainer import attention_kernels
+    from holotrain.train.step import attention_kernels
 
     q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)

@@ -71,3 +71,28 @@ def test_each_rank_replica_goes_to_another_node_when_there_is_one(world, local, 
         for r, (holder, source) in enumerate(got):
             assert holder // local != r // local or world == local  # another node's RAM
             assert got[holder][1] == r  # the holder knows whose replica it holds
+
+
+def test_a_checkpoint_whose_host_copy_does_not_fit_is_written_while_training_waits(tmp_path, monkeypatch, capsys):
+    """With no room in host RAM for the background writer's copy of the state, a save says so once and writes the
+    checkpoint from the state itself, before training goes on (instead of allocating the copy and being killed)."""
+    from holotrain.config import CheckpointConfig, TrainingConfig
+    from holotrain.optim import AdamWHyper, DeviceAdamW
+    from holotrain.train import checkpointer
+    from holotrain.train.checkpoint import list_checkpoints
+
+    monkeypatch.setattr(checkpointer, "host_available_bytes", lambda: 1000)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model = torch.nn.Linear(64, 64)
+    hyper = AdamWHyper.from_section(TrainingConfig())
+    optimizer = DeviceAdamW(model, hyper, 1e-3, sharded=False)
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.begin(1e-3, 1)
+    optimizer.finish()
+    saver = checkpointer.Checkpointer(CheckpointConfig(), env, tmp_path)
+    saver.prepare(optimizer)
+    saver.save(1, optimizer, {"step": 1})
+    assert saver._thread is None  # nothing left running: the write is done
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
+    assert "checkpoints are written while training waits" in capsys.readouterr().out
+    saver.close()

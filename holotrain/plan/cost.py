@@ -1,8 +1,7 @@
 """The cost model: for one candidate setting of a job, the peak GPU and host memory, the step time split by phase,
 tokens/s, MFU and J/token, from the model's shapes and this machine's measured rates.
 
-Memory is the memory plan's (memory/plan.py: weights, gradients, optimizer state, activations, pinned buffers),
-with FP8's smaller saved activations. Time is summed from phases:
+Memory is the memory plan's (memory/plan.py: weights, gradients, optimizer state, activations, pinned buffers). Time is summed from phases:
 
   compute     the step's matmul FLOPs (forward recomputation under activation checkpointing included) at this
               machine's GEMM rate for the job's shapes (measured, see Machine), times an efficiency that trials
@@ -34,7 +33,6 @@ from holotrain.train.resolve import model_args
 # reaches (the 1.4b compiled on an H200: 555 of 658 TFLOP/s sustained); eager steps launch more, smaller kernels.
 EFFICIENCY = {("cuda", True): 0.84, ("cuda", False): 0.70, ("cpu", True): 0.5, ("cpu", False): 0.5}
 MICRO_S = {"cuda": 0.004, "cpu": 0.002}  # fixed seconds per micro-batch
-FP8_ACTIVATIONS = 0.57  # FP8's saved activations against bf16's (the 1.4b at B=8: 13.9 vs 24.3 GB)
 D2H_BYTES_S = 51e9  # a save's device-to-host copy (pinned, measured on the H200)
 HELD_SAVE_S = 0.05  # a save with offload: the host state is held, not copied (bench/RESULTS.md)
 
@@ -73,6 +71,7 @@ class Calibration:
     efficiency: dict = field(default_factory=dict)  # (device, compiled) -> measured GEMM efficiency
     adamw_params_s: float | None = None  # measured offload CPU rate
     fp8_gain: float | None = None  # measured step-time gain of FP8, or the GEMM probe's prediction
+    offload_scale: float | None = None  # measured exposed CPU step against the overlap rule's
     power_w: float | None = None  # measured average power under load
 
 
@@ -110,13 +109,8 @@ class Prediction:
 
 def _memory(model, cfg, machine: Machine, micro: int, accum: int) -> Plan:
     device = torch.device(machine.device)
-    plan = plan_memory(model, cfg, 1, device, micro, accum, gpu_capacity=machine.gpu_memory,
+    return plan_memory(model, cfg, 1, device, micro, accum, gpu_capacity=machine.gpu_memory,
                        host_capacity=machine.host_memory, local_ranks=1)
-    if cfg.training.fp8 != "none":
-        key = "activations (estimate)"
-        parts = plan.gpu if key in plan.gpu else plan.host
-        parts[key] = parts[key] * FP8_ACTIVATIONS
-    return plan
 
 
 def recompute_share(cfg) -> float:
@@ -155,7 +149,7 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
         clipped = t.grad_clip > 0
         hidden = forward if clipped else forward + backward
         units = m.n_layers + 2
-        phases["offload"] = max(cpu / units, cpu - hidden * (1 - 1 / units))
+        phases["offload"] = max(cpu / units, cpu - hidden * (1 - 1 / units)) * (calib.offload_scale or 1.0)
     # A save blocks while weights and moments (12 of the 16 bytes per parameter) are copied to the host; with
     # offload the host-resident part is held, not copied.
     state_bytes = (plan.n_params - offloaded) * 12

@@ -65,6 +65,13 @@ def job_config(config: str | None, overrides: list[str]) -> Config:
     return resolve(cfg, tokenizer_vocab=None if cfg.model.vocab_size else cfg.data.vocab_size)
 
 
+def plan_device(cfg: Config) -> torch.device:
+    """The device the job would train on here (this process's GPU, by index, or the CPU)."""
+    if cfg.job.device != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def job_signature(cfg: Config) -> str:
     """What a plan belongs to: the model's shape, the sequence length and the batch."""
     m = cfg.model
@@ -106,14 +113,22 @@ def _measured_score(cfg: Config, m: Measured) -> float:
 
 
 def _calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> None:
-    """Folds a trial's measurements into the calibration: the CPU AdamW rate from its CPU step (with offload), then
-    the GEMM efficiency of its (device, compiled), or FP8's gain where the bf16 efficiency is known already, from
-    its step time less the other phases as predicted."""
+    """Folds a trial's measurements into the calibration. With offload: the CPU AdamW rate from its CPU step, and
+    how much of that step was exposed against the model's overlap rule (its step time less the other phases as
+    predicted). Without: the GEMM efficiency of its (device, compiled), or FP8's gain where the bf16 efficiency is
+    known already, from its step time less the other phases as predicted."""
     m = c.measured
     if m.step_s is None:
         return
-    if m.cpu_step_s and c.predicted.offloaded:
-        calib.adamw_params_s = c.predicted.offloaded / m.cpu_step_s
+    if c.predicted.offloaded:
+        if m.cpu_step_s:
+            calib.adamw_params_s = c.predicted.offloaded / m.cpu_step_s
+        p = repredict(c)
+        modeled = p.phases.get("offload", 0.0) / (calib.offload_scale or 1.0)
+        exposed = m.step_s - sum(v for k, v in p.phases.items() if k != "offload")
+        if modeled > 0:
+            calib.offload_scale = max(0.0, exposed) / modeled
+        return
     p = repredict(c)
     compute = m.step_s - sum(v for k, v in p.phases.items() if k != "compute")
     if compute <= 0:
@@ -142,7 +157,7 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
     """Plans the job and writes out_dir/plan.toml and out_dir/plan.json."""
     t0 = time.perf_counter()
     cfg = job_config(config, overrides)
-    device = torch.device("cuda" if (cfg.job.device != "cpu" and torch.cuda.is_available()) else "cpu")
+    device = plan_device(cfg)
     if machine is None:
         from holotrain.data.corpus import cache_dir
         from holotrain.plan.machine import measure_machine

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from holotrain.errors import ConfigError
 from holotrain.memory.offload.host import pinned_empty, unregister
+from holotrain.memory.plan import HOST_USABLE, host_available_bytes
 from holotrain.train.background import BackgroundWriter
 from holotrain.train.checkpoint import (
     MANIFEST,
@@ -58,6 +59,8 @@ class Checkpointer(BackgroundWriter):
         self.snapshot = HostSnapshot(env.device)
         self._allocating: threading.Thread | None = None
         self.holds = False  # the optimizer can hold its host-resident state for the writer
+        self._copy_fits = True  # this rank's host can hold the copy (what all ranks agree on is read at a save)
+        self._agreed_fits: bool | None = None
 
     def prepare(self, optimizer) -> None:
         """Allocates the host buffers in the background, once the optimizer's state exists (after the first step):
@@ -69,9 +72,26 @@ class Checkpointer(BackgroundWriter):
 
     def _allocate(self, optimizer) -> None:
         self.holds = prepare_hold(optimizer, self.env)
-        if self.snapshot.pin:
-            self.snapshot.allocate(FlatLayout.of(training_state(optimizer), optimizer.held_paths if self.holds
-                                                 else frozenset()))
+        layout = FlatLayout.of(training_state(optimizer), optimizer.held_paths if self.holds else frozenset())
+        room = host_available_bytes() / self.env.local_world_size * HOST_USABLE
+        self._copy_fits = layout.nbytes <= room
+        if not self._copy_fits and self.env.is_main:
+            print(f"holotrain: checkpoints are written while training waits: a host copy of the state needs "
+                  f"{layout.nbytes / 1e9:.1f} GB per rank, {room / 1e9:.1f} GB is usable", flush=True)
+        if self._copy_fits and self.snapshot.pin:
+            self.snapshot.allocate(layout)
+
+    def _in_background(self) -> bool:
+        """checkpoint.async_save, where every rank's host can hold the copy (agreed at the first save)."""
+        if not self.background:
+            return False
+        if self._agreed_fits is None:
+            fits = torch.tensor([int(self._copy_fits)])
+            if self.env.world_size > 1:
+                fits = fits.to(self.env.device)
+                dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+            self._agreed_fits = bool(fits.item())
+        return self._agreed_fits
 
     def save(self, step: int, optimizer, trainer_state: dict, extra_files: dict[str, str] | None = None) -> None:
         """Collective. Returns once the state is copied or held (background) or written (checkpoint.async_save =
@@ -80,7 +100,7 @@ class Checkpointer(BackgroundWriter):
         if self._allocating is not None:
             self._allocating.join()
         self.wait()
-        if not self.background:
+        if not self._in_background():
             write_checkpoint(self.run_dir, step, training_state(optimizer), trainer_state, self.keep, extra_files,
                              threads=self.threads)
             self._written(time.perf_counter() - t0)
