@@ -32,6 +32,12 @@ def checkpointed_blocks(policy: str, n_layers: int) -> list[int]:
     raise ValueError(f"unknown activation checkpointing policy {policy!r} (known: {', '.join(POLICIES)})")
 
 
+def recompute_share(policy: str, n_layers: int) -> float:
+    """The policy's cost in time: extra matmul work as a share of a step's, each recomputed block running its
+    forward (a third of its training FLOPs) again."""
+    return len(checkpointed_blocks(policy, n_layers)) / n_layers / 3
+
+
 def apply_activation_checkpointing(model: nn.Module, policy: str = "full") -> None:
     """Wraps the policy's blocks of `model.layers` in place (non-reentrant checkpointing)."""
     names = list(model.layers.keys())

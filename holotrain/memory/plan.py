@@ -28,11 +28,9 @@ from torch import nn
 
 from holotrain.errors import ConfigError
 from holotrain.memory.activation_checkpointing import checkpointed_blocks
+from holotrain.precision.lever import FP8_ACTIVATIONS
 
 GPU_USABLE = 0.95  # of free GPU memory: the caching allocator loses some to fragmentation
-# FP8's blocks keep about this share of bf16's activations (float8 linears save their inputs cast): the 1.4b at
-# B=8 on an H200 peaked at 36.5 GB with FP8 against 46.6 GB in bf16, the same 4.2 GB of logits in both.
-FP8_ACTIVATIONS = 0.48
 HOST_USABLE = 0.90  # of available host RAM: Python, the data plane and CUDA's own host allocations need the rest
 
 

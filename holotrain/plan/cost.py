@@ -1,20 +1,21 @@
 """The cost model: for one candidate setting of a job, the peak GPU and host memory, the step time split by phase,
-tokens/s, MFU and J/token, from the model's shapes and this machine's measured rates.
+tokens/s, MFU and J/token, from the model's shapes and this machine's measured rates. Each lever states its own
+terms; this module sums them.
 
-Memory is the memory plan's (memory/plan.py: weights, gradients, optimizer state, activations, pinned buffers). Time is summed from phases:
+Memory is the memory plan's (memory/plan.py: weights, gradients, optimizer state, activations with FP8's share,
+pinned buffers). Time is summed from phases:
 
-  compute     the step's matmul FLOPs (forward recomputation under activation checkpointing included) at this
-              machine's GEMM rate for the job's shapes (measured, see Machine), times an efficiency that trials
-              calibrate (the rest of a step: attention kernels, norms, launches), divided by FP8's GEMM gain
-  micro       a fixed cost per micro-batch (launches, Python), calibrated by trials
-  offload     the CPU step's exposed part: n offloaded parameters at the measured CPU AdamW rate, hidden behind
-              backward and the next forward when the step speculates, behind the next forward only when clipping
-              makes it wait for the norm (the engine's overlap rule, memory/offload/engine.py)
-  checkpoint  the blocking part of a save (state bytes at the device-to-host rate; the held state with offload),
-              spread over the save interval
+  compute     the step's matmul FLOPs at this machine's measured GEMM rate, times an efficiency that trials
+              calibrate (the rest of a step: attention kernels, norms, launches); activation checkpointing adds
+              its recomputation (memory/activation_checkpointing.py: recompute_share), FP8 divides by its
+              measured gain (precision/lever.py: matmul_time)
+  micro       a fixed cost per micro-batch (launches, Python)
+  offload     the CPU step's exposed part by the engine's overlap rule (memory/offload/cost.py), its measured
+              share calibrated by trials
+  checkpoint  a save's blocking time (train/checkpointer.py: save_blocking_s), spread over the save interval
 
-Calibration: each trial's measured step time (and CPU step, with offload) rescales the efficiency it depends on,
-so the candidates not tried are predicted with what the tried ones measured."""
+Calibration: each trial's measured step time (and CPU step, with offload) rescales the term it depends on, so the
+candidates not tried are predicted with what the tried ones measured."""
 
 from __future__ import annotations
 
@@ -24,17 +25,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from holotrain.memory.activation_checkpointing import checkpointed_blocks
+from holotrain.memory.activation_checkpointing import recompute_share
+from holotrain.memory.offload.cost import exposed_cpu_step
 from holotrain.memory.plan import Plan, plan_memory
 from holotrain.model import flops_per_token
+from holotrain.precision.lever import matmul_time
+from holotrain.train.checkpointer import save_blocking_s
 from holotrain.train.resolve import model_args
 
 # Priors until a trial measures them. The GEMM efficiency: the share of the machine's GEMM rate a whole step
 # reaches (the 1.4b compiled on an H200: 555 of 658 TFLOP/s sustained); eager steps launch more, smaller kernels.
 EFFICIENCY = {("cuda", True): 0.84, ("cuda", False): 0.70, ("cpu", True): 0.5, ("cpu", False): 0.5}
 MICRO_S = {"cuda": 0.004, "cpu": 0.002}  # fixed seconds per micro-batch
-D2H_BYTES_S = 51e9  # a save's device-to-host copy (pinned, measured on the H200)
-HELD_SAVE_S = 0.05  # a save with offload: the host state is held, not copied (bench/RESULTS.md)
 
 
 @dataclass
@@ -113,14 +115,6 @@ def _memory(model, cfg, machine: Machine, micro: int, accum: int) -> Plan:
                        host_capacity=machine.host_memory, local_ranks=1)
 
 
-def recompute_share(cfg) -> float:
-    """Extra matmul work of activation checkpointing: each recomputed block runs its forward (a third of its
-    training FLOPs) again."""
-    m = cfg.model
-    n = len(checkpointed_blocks(cfg.memory.activation_checkpointing, m.n_layers))
-    return n / m.n_layers / 3
-
-
 def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum: int) -> Prediction:
     """The candidate `cfg` (resolved, micro-batch `micro` x `accum` per step) on `machine`."""
     t, m = cfg.training, cfg.model
@@ -133,28 +127,19 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
 
     tokens = micro * accum * cfg.data.seq_len
     flops = flops_per_token(model_args(cfg), cfg.data.seq_len) * tokens
-    body = flops * (1 + recompute_share(cfg))
+    # Each lever's terms: activation checkpointing's recomputation, FP8's matmul gain, offload's exposed CPU step
+    # (every early step clips with grad_clip > 0: the conservative case), a save's blocking time.
+    body = flops * (1 + recompute_share(cfg.memory.activation_checkpointing, m.n_layers))
     eff = calib.efficiency.get((machine.device, t.compile), EFFICIENCY[(machine.device, t.compile)])
-    compute = body / (machine.gemm_flops * eff)
-    if t.fp8 != "none":
-        compute /= calib.fp8_gain or 1.0
+    compute = matmul_time(body / (machine.gemm_flops * eff), t.fp8, calib.fp8_gain)
     phases = {"compute": compute, "micro": MICRO_S[machine.device] * accum}
-
     offloaded = plan.n_offloaded if cfg.memory.offload else 0
     if offloaded:
-        cpu = offloaded / (calib.adamw_params_s or machine.adamw_params_s)
-        backward, forward = compute * 2 / 3, compute / 3
-        # Clipped steps wait for the norm: only the next forward hides the update (the first unit's share of it
-        # is always exposed); steps that speculate also hide it behind backward. Early steps nearly all clip.
-        clipped = t.grad_clip > 0
-        hidden = forward if clipped else forward + backward
-        units = m.n_layers + 2
-        phases["offload"] = max(cpu / units, cpu - hidden * (1 - 1 / units)) * (calib.offload_scale or 1.0)
-    # A save blocks while weights and moments (12 of the 16 bytes per parameter) are copied to the host; with
-    # offload the host-resident part is held, not copied.
-    state_bytes = (plan.n_params - offloaded) * 12
-    save_s = HELD_SAVE_S if offloaded else state_bytes / (
-        D2H_BYTES_S if machine.device == "cuda" else machine.host_copy_bytes_s)
+        phases["offload"] = exposed_cpu_step(offloaded, calib.adamw_params_s or machine.adamw_params_s,
+                                             compute / 3, compute * 2 / 3, t.grad_clip > 0,
+                                             m.n_layers + 2) * (calib.offload_scale or 1.0)
+    save_s = save_blocking_s(plan.n_params - offloaded, bool(offloaded),
+                             None if machine.device == "cuda" else machine.host_copy_bytes_s)
     if cfg.checkpoint.every:
         phases["checkpoint"] = save_s / cfg.checkpoint.every
     memory = plan.gpu if machine.device == "cuda" else plan.host

@@ -46,6 +46,20 @@ if TYPE_CHECKING:
     from holotrain.parallel import DistEnv
 
 
+# What a save blocks for, as the planner predicts it: the device-resident state (fp32 weights and moments, 12
+# bytes per parameter) copied at the device-to-host rate (pinned, measured on an H200), or at the host's copy
+# rate on a CPU; host-resident offload state is held, not copied (bench/RESULTS.md).
+D2H_BYTES_S = 51e9
+HELD_SAVE_S = 0.05
+
+
+def save_blocking_s(device_params: int, holds_host_state: bool, host_copy_bytes_s: float | None) -> float:
+    """Seconds a save blocks training: `host_copy_bytes_s` None on a GPU."""
+    if holds_host_state:
+        return HELD_SAVE_S
+    return device_params * 12 / (host_copy_bytes_s or D2H_BYTES_S)
+
+
 class Checkpointer(BackgroundWriter):
     def __init__(self, section: CheckpointConfig, env: DistEnv, run_dir: Path):
         super().__init__()

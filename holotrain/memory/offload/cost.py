@@ -1,0 +1,17 @@
+"""What offloading costs in time, by the engine's overlap rule (engine.py), for the planner (holotrain/plan).
+
+The CPU step updates the buckets at the measured AdamW rate. A step that speculates (its gradient norm does not
+clip) updates each bucket as soon as its gradient lands, behind the rest of backward and the next forward. A step
+that clips waits for the norm at the end of backward, so only the next forward hides the update: it runs unit by
+unit behind the CPU, which is exposed by as much as it is longer than that forward, and never by less than the
+first unit's share (the first unit the forward needs is the last one updated before it)."""
+
+from __future__ import annotations
+
+
+def exposed_cpu_step(n_offloaded: int, adamw_params_s: float, forward_s: float, backward_s: float, clipped: bool,
+                     units: int) -> float:
+    """Seconds per step the GPU waits for the CPU step."""
+    cpu = n_offloaded / adamw_params_s
+    hidden = forward_s if clipped else forward_s + backward_s
+    return max(cpu / units, cpu - hidden * (1 - 1 / units))
