@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 
@@ -51,6 +52,9 @@ def _planned(config: str | None, overrides: list[str], plan: str) -> list[str]:
     cfg = job_config(config, overrides)
     device = plan_device(cfg)
     if plan == "auto":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("--plan auto plans in one process; for several, plan first (holotrain plan --nproc N) "
+                              "and give every rank the plan: torchrun ... train --plan PLAN.toml")
         result = make_plan(config, overrides, cfg.run_dir)
         print_table(result)
         plan = str(cfg.run_dir / "plan.toml")
@@ -67,14 +71,18 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML config file, or a shipped config's name (default: the embedded tiny "
                         "model)")
     parser.add_argument("--out", help="where plan.toml and plan.json go (default: the job's run directory)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) of this node the job will run on "
+                        "with torchrun --nproc_per_node (default 1): tensor and data parallelism are planned too")
     known, overrides = parser.parse_known_args(argv)
+    if known.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {known.nproc}")
     from pathlib import Path
 
     from holotrain.plan import make_plan, print_table
     from holotrain.plan.planner import job_config
 
     out = Path(known.out) if known.out else job_config(known.config, overrides).run_dir
-    result = make_plan(known.config, overrides, out)
+    result = make_plan(known.config, overrides, out, ranks=known.nproc)
     print_table(result)
     print(f"wrote {out / 'plan.toml'} and {out / 'plan.json'}")
     return 0

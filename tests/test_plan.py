@@ -60,7 +60,8 @@ def test_train_takes_a_plan_and_refuses_another_jobs_or_machines(default_plan, t
                    check=False)
     assert proc.returncode == 2 and "was made for another job" in proc.stderr and "Traceback" not in proc.stderr
     elsewhere = tmp_path / "elsewhere.toml"
-    elsewhere.write_text((out / "plan.toml").read_text().replace(overlay["planned"]["machine"], "cuda:NVIDIA H200:143GB"))
+    text = (out / "plan.toml").read_text()
+    elsewhere.write_text(text.replace(overlay["planned"]["machine"], "cuda:NVIDIA H200:143GB"))
     proc = run_cli("train", "--plan", str(elsewhere), f"--job.run_dir={run}-3", check=False)
     assert proc.returncode == 2 and "was made on another machine (cuda:NVIDIA H200:143GB)" in proc.stderr
 
@@ -105,7 +106,32 @@ def test_cost_model_rules():
     clipped = run(**{"memory.offload": True})
     speculated = run(**{"memory.offload": True, "training.grad_clip": 0.0})
     assert clipped.phases["offload"] > speculated.phases["offload"] and clipped.gpu_bytes < base.gpu_bytes
-    assert recompute_share("full", 24) == pytest.approx(1 / 3) and recompute_share("selective", 24) == pytest.approx(1 / 6)
+    assert recompute_share("full", 24) == pytest.approx(1 / 3)
+    assert recompute_share("selective", 24) == pytest.approx(1 / 6)
     full = run(**{"memory.activation_checkpointing": "full"})
     assert full.phases["compute"] == pytest.approx(base.phases["compute"] * 4 / 3)
     assert full.gpu_bytes < base.gpu_bytes
+
+
+@pytest.mark.slow
+def test_plan_for_two_processes_tries_tensor_and_data_parallelism(tmp_path):
+    """--nproc 2 (gloo on a CPU): the candidates include TP=2 and FSDP over 2 ranks, the trial runs under torchrun,
+    and the plan is taken by 2 ranks and refused by one process."""
+    from tests.test_distributed import torchrun
+
+    out = tmp_path / "plan"
+    common = tiny_args(tmp_path / "run", **{"model.ffn_dim": 192, "plan.trials": 1, "plan.trial_steps": 4})
+    run_cli("plan", "--nproc", "2", "--out", str(out), *common, env={"OMP_NUM_THREADS": "1"})
+    plan = json.loads((out / "plan.json").read_text())
+    layouts = {(r["settings"]["parallel.tp"], r["settings"]["parallel.tp_overlap"]) for r in plan["candidates"]}
+    assert layouts == {(1, "none"), (2, "none")}
+    tried = [r for r in plan["candidates"] if r["measured"]]
+    assert len(tried) == 1 and not tried[0]["measured"]["error"] and tried[0]["measured"]["step_s"] > 0
+    assert plan["planned"]["job"].endswith(", 2 ranks")
+    run = tmp_path / "planned"
+    torchrun(2, "train", "--plan", str(out / "plan.toml"), *tiny_args(run, **{"model.ffn_dim": 192,
+                                                                               "training.steps": 2}))
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    proc = run_cli("train", "--plan", str(out / "plan.toml"), *tiny_args(tmp_path / "one", **{"model.ffn_dim": 192}),
+                   check=False)
+    assert proc.returncode == 2 and "was made for another job" in proc.stderr and "2 ranks" in proc.stderr

@@ -12,6 +12,8 @@ pinned buffers). Time is summed from phases:
   micro       a fixed cost per micro-batch (launches, Python)
   offload     the CPU step's exposed part by the engine's overlap rule (memory/offload/cost.py), its measured
               share calibrated by trials
+  tp, fsdp    with several ranks: tensor parallelism's exposed collectives and FSDP2's unhidden part, the bytes
+              from parallel/cost.py at the node's link rate (calibrated by trials)
   checkpoint  a save's blocking time (train/checkpointer.py: save_blocking_s), spread over the save interval
 
 Calibration: each trial's measured step time (and CPU step, with offload) rescales the term it depends on, so the
@@ -29,6 +31,7 @@ from holotrain.memory.activation_checkpointing import recompute_share
 from holotrain.memory.offload.cost import exposed_cpu_step
 from holotrain.memory.plan import Plan, plan_memory
 from holotrain.model import flops_per_token
+from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
 from holotrain.precision.lever import matmul_time
 from holotrain.train.checkpointer import save_blocking_s
 from holotrain.train.resolve import model_args
@@ -37,6 +40,9 @@ from holotrain.train.resolve import model_args
 # reaches (the 1.4b compiled on an H200: 555 of 658 TFLOP/s sustained); eager steps launch more, smaller kernels.
 EFFICIENCY = {("cuda", True): 0.84, ("cuda", False): 0.70, ("cpu", True): 0.5, ("cpu", False): 0.5}
 MICRO_S = {"cuda": 0.004, "cpu": 0.002}  # fixed seconds per micro-batch
+# Bytes per second a rank moves in collectives between the ranks of one node: NVLink on H100/H200 (the all-gather
+# bus bandwidth measured on the H200s: 222 GB/s); gloo over loopback on a CPU. Trials calibrate it.
+LINK_BYTES_S = {"cuda": 222e9, "cpu": 1e9}
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Calibration:
     adamw_params_s: float | None = None  # measured offload CPU rate
     fp8_gain: float | None = None  # measured step-time gain of FP8, or the GEMM probe's prediction
     offload_scale: float | None = None  # measured exposed CPU step against the overlap rule's
+    link_bytes_s: float | None = None  # measured collective rate between ranks
     power_w: float | None = None  # measured average power under load
 
 
@@ -90,6 +97,7 @@ class Prediction:
     power_w: float | None
     offloaded: int = 0  # parameters whose AdamW runs on the CPU
     save_s: float = 0.0  # what one checkpoint save blocks for
+    ranks: int = 1  # processes (GPUs) of the step: MFU is per GPU
     memory: dict[str, float] = field(default_factory=dict)  # component -> bytes (GPU, or host on a CPU)
 
     @property
@@ -102,50 +110,66 @@ class Prediction:
 
     @property
     def mfu(self) -> float | None:
-        return self.flops_per_step / self.step_s / self.peak_flops if self.peak_flops else None
+        return self.flops_per_step / self.step_s / (self.peak_flops * self.ranks) if self.peak_flops else None
 
     @property
     def j_per_token(self) -> float | None:
-        return self.power_w * self.step_s / self.tokens_per_step if self.power_w else None
+        return self.power_w * self.ranks * self.step_s / self.tokens_per_step if self.power_w else None
 
 
-def _memory(model, cfg, machine: Machine, micro: int, accum: int) -> Plan:
+def _memory(model, cfg, machine: Machine, micro: int, accum: int, ranks: int) -> Plan:
+    """Per rank: the memory plan (FSDP2 shards over all ranks, TP's shards included), with tensor parallelism's
+    share of the activations."""
     device = torch.device(machine.device)
-    return plan_memory(model, cfg, 1, device, micro, accum, gpu_capacity=machine.gpu_memory,
-                       host_capacity=machine.host_memory, local_ranks=1)
+    plan = plan_memory(model, cfg, ranks, device, micro, accum, gpu_capacity=machine.gpu_memory,
+                       host_capacity=machine.host_memory / ranks, local_ranks=ranks)
+    key = "activations (estimate)"
+    for parts in (plan.gpu, plan.host):
+        if key in parts:
+            parts[key] *= tp_activation_share(cfg.parallel.tp)
+    return plan
 
 
-def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum: int) -> Prediction:
-    """The candidate `cfg` (resolved, micro-batch `micro` x `accum` per step) on `machine`."""
+def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum: int, ranks: int = 1) -> Prediction:
+    """The candidate `cfg` (resolved; per rank micro-batch `micro` x `accum` per step, on `ranks` processes of this
+    machine, cfg.parallel.tp of them per model replica) on `machine`."""
     t, m = cfg.training, cfg.model
-    plan = _memory(model, cfg, machine, micro, accum)
+    tp = cfg.parallel.tp
+    dp = ranks // tp
+    plan = _memory(model, cfg, machine, micro, accum, ranks)
     why = []
     if not plan.gpu_fits:
         why.append(f"GPU needs {plan.gpu_need / 1e9:.1f} GB of {plan.gpu_capacity / 1e9:.1f}")
     if not plan.host_fits:
         why.append(f"host needs {plan.host_need / 1e9:.1f} GB of {plan.host_capacity / 1e9:.1f}")
 
-    tokens = micro * accum * cfg.data.seq_len
+    tokens = micro * accum * dp * cfg.data.seq_len
     flops = flops_per_token(model_args(cfg), cfg.data.seq_len) * tokens
     # Each lever's terms: activation checkpointing's recomputation, FP8's matmul gain, offload's exposed CPU step
     # (every early step clips with grad_clip > 0: the conservative case), a save's blocking time.
     body = flops * (1 + recompute_share(cfg.memory.activation_checkpointing, m.n_layers))
     eff = calib.efficiency.get((machine.device, t.compile), EFFICIENCY[(machine.device, t.compile)])
-    compute = matmul_time(body / (machine.gemm_flops * eff), t.fp8, calib.fp8_gain)
+    compute = matmul_time(body / ranks / (machine.gemm_flops * eff), t.fp8, calib.fp8_gain)
     phases = {"compute": compute, "micro": MICRO_S[machine.device] * accum}
+    if ranks > 1:
+        link = calib.link_bytes_s or LINK_BYTES_S[machine.device]
+        # TP's collectives without overlap are exposed; FSDP2's hide behind compute but for the first gather.
+        phases["tp"] = tp_bytes_per_step(micro * cfg.data.seq_len, m.dim, m.n_layers, tp, accum) / link
+        fsdp = fsdp_bytes_per_step(plan.n_params, dp, tp) / link
+        phases["fsdp"] = fsdp / (m.n_layers + 1) + max(0.0, fsdp - compute)
     offloaded = plan.n_offloaded if cfg.memory.offload else 0
     if offloaded:
         phases["offload"] = exposed_cpu_step(offloaded, calib.adamw_params_s or machine.adamw_params_s,
                                              compute / 3, compute * 2 / 3, t.grad_clip > 0,
                                              m.n_layers + 2) * (calib.offload_scale or 1.0)
-    save_s = save_blocking_s(plan.n_params - offloaded, bool(offloaded),
+    save_s = save_blocking_s((plan.n_params - offloaded) // ranks, bool(offloaded),
                              None if machine.device == "cuda" else machine.host_copy_bytes_s)
     if cfg.checkpoint.every:
         phases["checkpoint"] = save_s / cfg.checkpoint.every
     memory = plan.gpu if machine.device == "cuda" else plan.host
     return Prediction(plan.gpu_need if machine.device == "cuda" else None, plan.host_need, not why, "; ".join(why),
                       phases, tokens, flops, machine.peak_flops, calib.power_w or machine.power_w, offloaded,
-                      save_s, dict(memory))
+                      save_s, ranks, dict(memory))
 
 
 def young_daly_steps(blocking_s: float, mtbf_hours: float, step_s: float) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from holotrain.config import Config, ConfigError, batch_layout, load_config, res
 from holotrain.model import Llama
 from holotrain.plan.cost import (
     EFFICIENCY,
+    LINK_BYTES_S,
     Calibration,
     Machine,
     Prediction,
@@ -32,14 +34,15 @@ from holotrain.plan.cost import (
 from holotrain.plan.trials import Measured, run_trial
 from holotrain.train.resolve import model_args
 
-OVERLAY_KEYS = ("training", "memory", "checkpoint")  # the sections a plan sets
+OVERLAY_KEYS = ("training", "memory", "parallel", "checkpoint")  # the sections a plan sets
 
 
 @dataclass
 class Candidate:
     settings: dict  # "section.key" -> value
-    micro: int
+    micro: int  # per rank
     accum: int
+    ranks: int = 1
     predicted: Prediction | None = None
     predicted_at_trial: dict | None = None  # the prediction when it was chosen for a trial, before its measurement
     measured: Measured | None = None
@@ -48,6 +51,10 @@ class Candidate:
     def label(self) -> str:
         s = self.settings
         parts = [f"micro {self.micro}x{self.accum}", f"ac {s['memory.activation_checkpointing']}"]
+        if self.ranks > 1:
+            tp = s["parallel.tp"]
+            parts.insert(0, f"tp {tp}" + (f" ({s['parallel.tp_overlap']})" if tp > 1 else "")
+                         + f" x dp {self.ranks // tp}")
         if s.get("memory.offload"):
             parts.append(f"offload {s['memory.offload_ratio']:g}")
         if s.get("training.fp8", "none") != "none":
@@ -72,31 +79,50 @@ def plan_device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def job_signature(cfg: Config) -> str:
-    """What a plan belongs to: the model's shape, the sequence length and the batch."""
+def job_signature(cfg: Config, ranks: int = 1) -> str:
+    """What a plan belongs to: the model's shape, the sequence length, the batch and the ranks."""
     m = cfg.model
     return (f"dim {m.dim}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} heads, ffn {m.ffn_dim}, vocab "
-            f"{m.vocab_size}, seq {cfg.data.seq_len}, batch {cfg.training.batch_size}")
+            f"{m.vocab_size}, seq {cfg.data.seq_len}, batch {cfg.training.batch_size}"
+            + (f", {ranks} ranks" if ranks > 1 else ""))
 
 
-def enumerate_candidates(cfg: Config, machine: Machine) -> list[Candidate]:
+def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
+    """Tensor-parallel sizes that divide the ranks and every dimension tensor parallelism splits."""
+    m = cfg.model
+    return [tp for tp in range(1, ranks + 1) if ranks % tp == 0 and all(
+        x % tp == 0 for x in (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, cfg.data.seq_len))]
+
+
+def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[Candidate]:
     t = cfg.training
-    micros = [m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= t.batch_size and t.batch_size % m == 0]
     gpu = machine.device == "cuda"
     offloads = [(False, 1.0)] + ([(True, r) for r in (0.25, 0.5, 0.75, 1.0)] if gpu else [])
     fp8s = ["none"] + (["tensorwise"] if gpu and machine.fp8 else [])
     compiles = [True, False] if gpu else [t.compile]
+    layouts = [(1, "none")] if ranks == 1 else [
+        (tp, overlap) for tp in _tp_sizes(cfg, ranks)
+        for overlap in (("none", "fused") if gpu and tp > 1 else ("none",))]
     out = []
-    for micro, ac, (offload, ratio), fp8, compiled, chunk in itertools.product(
-            micros, ("none", "selective", "full"), offloads, fp8s, compiles, (0, 8192)):
+    for (tp, overlap), ac, (offload, ratio), fp8, compiled, chunk in itertools.product(
+            layouts, ("none", "selective", "full"), offloads, fp8s, compiles, (0, 8192)):
         if chunk and ac != "none":
             continue  # under activation checkpointing the loss is chunked already (auto)
-        settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
-                    "memory.offload": offload, "memory.offload_ratio": ratio, "training.compile": compiled,
-                    "memory.loss_chunk_tokens": chunk}
-        if gpu:
-            settings["training.fp8"] = fp8
-        out.append(Candidate(settings, micro, t.batch_size // micro))
+        if tp > 1 and (offload or (fp8 != "none" and overlap != "none")):
+            continue  # combinations the trainer refuses (config.validate)
+        dp = ranks // tp
+        if t.batch_size % dp:
+            continue
+        per_rank = t.batch_size // dp
+        for micro in (m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= per_rank and per_rank % m == 0):
+            settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
+                        "memory.offload": offload, "memory.offload_ratio": ratio, "training.compile": compiled,
+                        "memory.loss_chunk_tokens": chunk}
+            if gpu:
+                settings["training.fp8"] = fp8
+            if ranks > 1:
+                settings.update({"parallel.tp": tp, "parallel.tp_overlap": overlap})
+            out.append(Candidate(settings, micro, per_rank // micro, ranks))
     return out
 
 
@@ -130,10 +156,17 @@ def _calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) ->
             calib.offload_scale = max(0.0, exposed) / modeled
         return
     p = repredict(c)
+    key = (machine.device, bool(c.settings.get("training.compile")))
+    comm = p.phases.get("tp", 0.0) + p.phases.get("fsdp", 0.0)
+    if comm > 0 and key in calib.efficiency:
+        # Compute known from one process: the rest is the collectives, at the rate they really ran.
+        exposed = m.step_s - sum(v for k, v in p.phases.items() if k not in ("tp", "fsdp"))
+        if exposed > 0:
+            calib.link_bytes_s = (calib.link_bytes_s or LINK_BYTES_S[machine.device]) * comm / exposed
+        return
     compute = m.step_s - sum(v for k, v in p.phases.items() if k != "compute")
     if compute <= 0:
         return
-    key = (machine.device, bool(c.settings.get("training.compile")))
     if c.settings.get("training.fp8", "none") != "none" and key in calib.efficiency:
         calib.fp8_gain = (calib.fp8_gain or 1.0) * p.phases["compute"] / compute
         return
@@ -153,8 +186,9 @@ class PlanResult:
 
 
 def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: Machine | None = None,
-              log=print) -> PlanResult:
-    """Plans the job and writes out_dir/plan.toml and out_dir/plan.json."""
+              log=print, ranks: int = 1) -> PlanResult:
+    """Plans the job for `ranks` processes of this machine (one GPU each) and writes out_dir/plan.toml and
+    out_dir/plan.json."""
     t0 = time.perf_counter()
     cfg = job_config(config, overrides)
     device = plan_device(cfg)
@@ -175,11 +209,13 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
         bf16 = sum(r["bf16_s"] * r["layers"] for r in rows)
         calib.fp8_gain = bf16 / max(1e-9, sum((r["fp8_s"] + r["cast_s"]) * r["layers"] for r in rows))
 
-    candidates = enumerate_candidates(cfg, machine)
+    candidates = enumerate_candidates(cfg, machine, ranks)
+    if not candidates:
+        raise ConfigError(f"training.batch_size = {cfg.training.batch_size} does not split over {ranks} ranks")
     score = _objective(cfg)
 
     def repredict(c: Candidate) -> Prediction:
-        return predict(model, with_settings(cfg, c.settings), machine, calib, c.micro, c.accum)
+        return predict(model, with_settings(cfg, c.settings), machine, calib, c.micro, c.accum, c.ranks)
 
     def predict_all():
         for c in candidates:
@@ -188,7 +224,7 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
     predict_all()
     fitting = [c for c in candidates if c.predicted.fits]
     if not fitting:
-        raise ConfigError(_nothing_fits(cfg, candidates))
+        raise ConfigError(_nothing_fits(cfg, candidates, ranks))
     tried: list[Candidate] = []
     for i in range(cfg.plan.trials):
         left = [c for c in fitting if c.measured is None]
@@ -199,7 +235,7 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
         log(f"holotrain: plan: trial {i + 1}/{cfg.plan.trials}: {best.label} (predicted "
             f"{best.predicted.tokens_per_s:,.0f} tokens/s)")
         best.measured = run_trial(config, overrides, best.settings, cfg.plan.trial_steps,
-                                  out_dir / f"trial-{i + 1}", timeout_s=600)
+                                  out_dir / f"trial-{i + 1}", timeout_s=600, ranks=ranks)
         tried.append(best)
         if best.measured.error:
             log(f"holotrain: plan: trial {i + 1} failed: {best.measured.error}")
@@ -214,20 +250,22 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
     blocking = chosen.predicted.save_s
     step_s = chosen.measured.step_s if chosen.measured and chosen.measured.step_s else chosen.predicted.step_s
     every = young_daly_steps(blocking, cfg.job.mtbf_hours, step_s)
-    result = PlanResult(chosen, candidates, every, blocking, machine, job_signature(cfg), time.perf_counter() - t0)
+    result = PlanResult(chosen, candidates, every, blocking, machine, job_signature(cfg, ranks),
+                        time.perf_counter() - t0)
     write_plan(result, cfg, out_dir)
     return result
 
 
-def _nothing_fits(cfg: Config, candidates: list[Candidate]) -> str:
+def _nothing_fits(cfg: Config, candidates: list[Candidate], ranks: int) -> str:
     def need(c):
         p = c.predicted
         return (p.gpu_bytes if p.gpu_bytes is not None else p.host_bytes)
 
     closest = min(candidates, key=need)
-    return (f"nothing fits: of {len(candidates)} settings of this job ({job_signature(cfg)}), the smallest needs "
-            f"{need(closest) / 1e9:.1f} GB ({closest.label}: {closest.predicted.why_not}). Use a smaller "
-            "training.batch_size or model, more GPUs, or a machine with more memory (hw.gpu_memory_gb caps it)")
+    return (f"nothing fits: of {len(candidates)} settings of this job ({job_signature(cfg, ranks)}), the smallest "
+            f"needs {need(closest) / 1e9:.1f} GB per rank ({closest.label}: {closest.predicted.why_not}). Use a "
+            "smaller training.batch_size or model, more GPUs (holotrain plan --nproc N), or a machine with more "
+            "memory (hw.gpu_memory_gb caps it)")
 
 
 def _prediction_dict(p: Prediction) -> dict:
@@ -324,9 +362,10 @@ def plan_overrides(path: Path, config: str | None, overrides: list[str], machine
 
     planned, sections = read_overlay(path)
     cfg = job_config(config, overrides)
-    if planned["job"] != job_signature(cfg):
-        raise ConfigError(f"--plan {path} was made for another job ({planned['job']}); this one is "
-                          f"{job_signature(cfg)}. Plan it again: holotrain plan")
+    here = job_signature(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    if planned["job"] != here:
+        raise ConfigError(f"--plan {path} was made for another job ({planned['job']}); this one is {here}. Plan it "
+                          "again: holotrain plan (--nproc N for N processes)")
     if planned["machine"] != machine_fingerprint:
         raise ConfigError(f"--plan {path} was made on another machine ({planned['machine']}); this one is "
                           f"{machine_fingerprint}. Plan it again: holotrain plan")

@@ -4,6 +4,7 @@ real corpus, clipping as configured) for a few steps in a scratch run directory,
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -35,22 +36,33 @@ def _median(values: list[float]) -> float | None:
     return values[len(values) // 2] if values else None
 
 
+# Several GPUs of one node: NVLink multicast off (NCCL's NVLS, symmetric memory's and NVSHMEM's), which these
+# machines do not all allow; the user's own settings win.
+_MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def run_trial(config: str | None, overrides: list[str], settings: dict, steps: int, run_dir: Path,
-              timeout_s: float) -> Measured:
-    """Trains `steps` steps of the job with `settings` ("section.key" -> value) in `run_dir` (removed after)."""
+              timeout_s: float, ranks: int = 1) -> Measured:
+    """Trains `steps` steps of the job with `settings` ("section.key" -> value) in `run_dir` (removed after), on
+    `ranks` processes of this node (torchrun) when more than one."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = [sys.executable, "-m", "holotrain.cli", "train"] + (["--config", config] if config else []) + overrides
+    launch = [sys.executable, "-m", "holotrain.cli"] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m",
+        "holotrain.cli"]
+    env = None if ranks == 1 else {**_MULTI_GPU_ENV, **os.environ}
+    args = launch + ["train"] + (["--config", config] if config else []) + overrides
     args += [as_override(k, v) for k, v in settings.items()]
     args += [f"--training.steps={steps}", "--training.log_every=1", f"--job.run_dir={run_dir}",
              "--checkpoint.every=0", "--checkpoint.save_final=false", "--checkpoint.memory_every=0",
              "--profile.report=false", "--profile.tensorboard=false", "--profile.progress=false"]
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
             if (run_dir / "metrics.jsonl").is_file() else []
         if proc.returncode != 0 or not rows:
             lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-            return Measured(None, None, None, None, None, None, (lines[-1] if lines else f"exit {proc.returncode}")[:300])
+            why = lines[-1] if lines else f"exit {proc.returncode}"
+            return Measured(None, None, None, None, None, None, why[:300])
     except subprocess.TimeoutExpired:
         return Measured(None, None, None, None, None, None, f"did not finish within {timeout_s:.0f} s")
     finally:
