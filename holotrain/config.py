@@ -207,6 +207,7 @@ class PlanConfig(_Section):
     objective: str = "tokens_per_s"  # tokens_per_s | j_per_token
     trials: int = 3  # the best predicted candidates run as short trials through `holotrain train`
     trial_steps: int = 8  # steps per trial; the first two (compilation, warm-up) are not timed
+    seconds: float = 180.0  # planning budget: no trial starts that it would not finish (judged by the last one)
 
 
 @dataclass
@@ -531,6 +532,7 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
          f"plan.objective must be tokens_per_s or j_per_token, got {pl.objective!r}")
     need(pl.trials >= 0, f"plan.trials must be >= 0, got {pl.trials}")
     need(pl.trial_steps >= 3, f"plan.trial_steps must be >= 3 (two are not timed), got {pl.trial_steps}")
+    need(pl.seconds > 0, f"plan.seconds must be positive, got {pl.seconds}")
     wants_control = hw.lock_sm_clock_mhz > 0 or hw.power_limit_w > 0
     need(
         not wants_control or hw.allow_clock_control,

@@ -226,16 +226,23 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
     if not fitting:
         raise ConfigError(_nothing_fits(cfg, candidates, ranks))
     tried: list[Candidate] = []
+    last_trial_s = 0.0
     for i in range(cfg.plan.trials):
         left = [c for c in fitting if c.measured is None]
         if not left:
             break
+        if tried and time.perf_counter() - t0 + last_trial_s > cfg.plan.seconds:
+            log(f"holotrain: plan: {i} of {cfg.plan.trials} trials: another would pass plan.seconds = "
+                f"{cfg.plan.seconds:g}")
+            break
+        started = time.perf_counter()
         best = max(left, key=lambda c: score(c.predicted))
         best.predicted_at_trial = _prediction_dict(best.predicted)
         log(f"holotrain: plan: trial {i + 1}/{cfg.plan.trials}: {best.label} (predicted "
             f"{best.predicted.tokens_per_s:,.0f} tokens/s)")
         best.measured = run_trial(config, overrides, best.settings, cfg.plan.trial_steps,
                                   out_dir / f"trial-{i + 1}", timeout_s=600, ranks=ranks)
+        last_trial_s = time.perf_counter() - started
         tried.append(best)
         if best.measured.error:
             log(f"holotrain: plan: trial {i + 1} failed: {best.measured.error}")
