@@ -14,7 +14,7 @@ import itertools
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -182,7 +182,6 @@ class PlanResult:
     machine: Machine
     signature: str
     seconds: float
-    notes: list[str] = field(default_factory=list)
 
 
 def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: Machine | None = None,
