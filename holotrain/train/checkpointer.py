@@ -80,13 +80,16 @@ class Checkpointer(BackgroundWriter):
         """Allocates the host buffers in the background, once the optimizer's state exists (after the first step):
         pinning tens of GB takes seconds, which the first save would otherwise block for."""
         if self.background and self._allocating is None:
-            self._allocating = threading.Thread(target=self._allocate, args=(optimizer,),
+            # The state dict on this thread: FSDP2's state-dict hooks reshard the modules, which must not happen
+            # beside a step.
+            state = training_state(optimizer)
+            self._allocating = threading.Thread(target=self._allocate, args=(optimizer, state),
                                                 name="holotrain-checkpoint-buffers")
             self._allocating.start()
 
-    def _allocate(self, optimizer) -> None:
+    def _allocate(self, optimizer, state: dict) -> None:
         self.holds = prepare_hold(optimizer, self.env)
-        layout = FlatLayout.of(training_state(optimizer), optimizer.held_paths if self.holds else frozenset())
+        layout = FlatLayout.of(state, optimizer.held_paths if self.holds else frozenset())
         room = host_available_bytes() / self.env.local_world_size * HOST_USABLE
         self._copy_fits = layout.nbytes <= room
         if not self._copy_fits and self.env.is_main:
