@@ -135,3 +135,37 @@ def test_plan_for_two_processes_tries_tensor_and_data_parallelism(tmp_path):
     proc = run_cli("train", "--plan", str(out / "plan.toml"), *tiny_args(tmp_path / "one", **{"model.ffn_dim": 192}),
                    check=False)
     assert proc.returncode == 2 and "was made for another job" in proc.stderr and "2 ranks" in proc.stderr
+
+
+# Peak GPU memory measured through `holotrain train` on one H200 (bench/RESULTS.md, 2026-12-01), and the settings:
+# (shipped config, settings, micro-batch, measured GB).
+MEASURED_PEAKS = [
+    ("1.4b", {}, 8, 46.6),
+    ("1.4b", {"training.batch_size": 16}, 16, 74.0),
+    ("1.4b", {"training.fp8": "tensorwise"}, 8, 36.5),
+    ("1.4b", {"training.batch_size": 16, "memory.loss_chunk_tokens": 8192}, 16, 74.5),
+    ("1.4b", {"training.batch_size": 16, "memory.loss_chunk_tokens": 8192, "training.fp8": "tensorwise"}, 16, 56.8),
+    ("1.4b", {"memory.offload": True}, 8, 30.3),
+    ("1.4b", {"training.fp8": "tensorwise", "memory.loss_chunk_tokens": 8192}, 8, 37.7),
+    ("1.4b", {"training.fp8": "tensorwise", "memory.offload": True, "memory.offload_ratio": 0.25}, 8, 33.1),
+    ("offload", {"memory.offload": False}, 8, 110.3),
+    ("offload", {"memory.offload": False, "training.fp8": "tensorwise"}, 8, 109.7),
+    ("offload", {"memory.offload_ratio": 1.0}, 8, 21.5),
+]
+
+
+@pytest.mark.parametrize("config,settings,micro,measured", MEASURED_PEAKS)
+def test_memory_model_against_measured_peaks(config, settings, micro, measured):
+    """The memory plan's GPU peak for settings measured on an H200: within 10% (the planner's acceptance)."""
+    from holotrain.memory.plan import plan_memory
+    from holotrain.model import Llama
+    from holotrain.plan.cost import with_settings
+    from holotrain.plan.planner import job_config
+    from holotrain.train.resolve import model_args
+
+    cfg = with_settings(job_config(config, []), settings)
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    plan = plan_memory(model, cfg, 1, torch.device("cuda"), micro, 1, gpu_capacity=140e9, host_capacity=120e9,
+                       local_ranks=1)
+    assert plan.gpu_need / 1e9 == pytest.approx(measured, rel=0.10)

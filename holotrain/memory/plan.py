@@ -31,7 +31,8 @@ from holotrain.memory.activation_checkpointing import checkpointed_blocks
 from holotrain.precision.lever import FP8_ACTIVATIONS
 
 GPU_USABLE = 0.95  # of free GPU memory: the caching allocator loses some to fragmentation
-HOST_USABLE = 0.90  # of available host RAM: Python, the data plane and CUDA's own host allocations need the rest
+HOST_USABLE = 0.90
+BACKWARD_SHARE = 0.29  # the blocks' backward buffers against their saved bf16 activations (activation_bytes)  # of available host RAM: Python, the data plane and CUDA's own host allocations need the rest
 
 
 @dataclass
@@ -148,22 +149,27 @@ def loss_chunk_tokens(cfg) -> int:
 
 
 def activation_bytes(cfg, micro: int, elem_bytes: int) -> int:
-    """Estimate of the activation memory of one micro-batch. A compiled block keeps about 7*dim + 2*ffn values
-    per token (measured on the 1.4b model on an H200: 24 GB for B=8, T=2048, with the logits); a checkpointed
-    block keeps only its input, and one block at a time is recomputed; FP8 blocks keep less (FP8_ACTIVATIONS); the
-    loss keeps the logits in bf16 and in fp32 and their gradient (about 8 bytes per token and vocabulary entry), of
-    one piece when it is taken in pieces. Eager blocks keep somewhat more."""
+    """Estimate of the activation memory of one micro-batch at its peak, which comes at one of two moments:
+      the loss    every block's saved activations, and the logits in bf16 and fp32 with their gradient (about 8
+                  bytes per token and vocabulary entry) of one piece when the loss is taken in pieces
+      backward    the saved activations, and the blocks' backward buffers, about BACKWARD_SHARE of their bf16
+                  saved activations (FP8 does not shrink these)
+    A compiled block keeps about 7*dim + 2*ffn values per token; a checkpointed block keeps only its input, and
+    one block at a time is recomputed; FP8 blocks keep FP8_ACTIVATIONS of that. Fitted to eleven peaks measured
+    on an H200 (1.4b at B=8 and 16, bf16 and FP8, whole and chunked loss, offload; the 7B with every block
+    recomputed, with and without FP8 and offload), all within 6% (tests/test_plan.py holds them). Eager blocks
+    keep somewhat more."""
     m = cfg.model
     tokens = micro * cfg.data.seq_len
     per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim)
     recomputed = len(checkpointed_blocks(cfg.memory.activation_checkpointing, m.n_layers))
-    blocks = (m.n_layers - recomputed) * per_block + recomputed * tokens * elem_bytes * m.dim
-    if recomputed:
-        blocks += per_block
+    whole = (m.n_layers - recomputed + (1 if recomputed else 0)) * per_block  # kept, or being recomputed
+    blocks = whole + recomputed * tokens * elem_bytes * m.dim
     if cfg.training.fp8 != "none":
         blocks *= FP8_ACTIVATIONS
     chunk = loss_chunk_tokens(cfg)  # the logits of one piece when the loss is chunked, else the micro-batch's
-    return blocks + (min(tokens, chunk) if chunk else tokens) * m.vocab_size * 8
+    logits = (min(tokens, chunk) if chunk else tokens) * m.vocab_size * 8
+    return int(blocks + max(logits, BACKWARD_SHARE * whole))
 
 
 @dataclass
