@@ -446,7 +446,13 @@ def test_plan_numbers_for_a_7b_on_a_24_gib_gpu():
         check_fit(model, cfg, 1, cuda, 4, 2, gpu_capacity=24 * gib, host_capacity=100e9)
     assert "18 bytes per offloaded parameter: fp32 master 4 + AdamW moments 8" in str(err.value)
     assert "14.3 GB pinned" in str(err.value) and "RLIMIT_MEMLOCK" in str(err.value)
-    print(err.value)
+    # Micro-batch 12 on a 24 GiB GPU does not fit. Halving it fits the GPU, but the fp32 gradient accumulator that
+    # accumulation adds then overflows the host: the suggestion says so instead of "not enough alone".
+    with pytest.raises(Exception, match="GPU: needs") as err:
+        check_fit(model, cfg_with("--memory.offload=true", "--memory.activation_checkpointing=full",
+                                  "--training.batch_size=12"), 1, cuda, 12, 1, gpu_capacity=23 * gib,
+                  host_capacity=120e9)
+    assert "training.micro_batch_size = 6 (accumulation keeps the batch): then the host needs" in str(err.value)
 
 
 def test_auto_offload_ratio_is_the_smallest_that_fits():

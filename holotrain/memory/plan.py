@@ -334,6 +334,12 @@ def _suggestions(model, cfg, world_size, device, micro, accum, plan: Plan, capac
         p = plan_memory(model, trial_cfg, world_size, device, trial_micro, trial_accum, ratio=ratio, **caps)
         if p.gpu_fits and p.host_fits:
             return "fits"
+        # A change can fit one memory and overflow the other (accumulation adds an fp32 accumulator on the host).
+        for fits, was_fine, need, capacity, name in ((p.gpu_fits, plan.gpu_fits, p.gpu_need, p.gpu_capacity, "GPU"),
+                                                     (p.host_fits, plan.host_fits, p.host_need, p.host_capacity,
+                                                      "host")):
+            if not fits and was_fine:
+                return f"then the {name} needs {_gb(need)} of {_gb(capacity)}"
         saved = (0 if plan.gpu_fits else plan.gpu_need - p.gpu_need) + (0 if plan.host_fits else plan.host_need - p.host_need)
         return f"saves {_gb(saved)}, not enough alone" if saved > 0 else ""
 
