@@ -31,8 +31,8 @@ from holotrain.memory.activation_checkpointing import checkpointed_blocks
 from holotrain.precision.lever import FP8_ACTIVATIONS
 
 GPU_USABLE = 0.95  # of free GPU memory: the caching allocator loses some to fragmentation
-HOST_USABLE = 0.90
-BACKWARD_SHARE = 0.29  # the blocks' backward buffers against their saved bf16 activations (activation_bytes)  # of available host RAM: Python, the data plane and CUDA's own host allocations need the rest
+HOST_USABLE = 0.90  # of available host RAM: Python, the data plane and CUDA's own host allocations need the rest
+BACKWARD_SHARE = 0.29  # the blocks' backward buffers against their saved bf16 activations (activation_bytes)
 
 
 @dataclass
