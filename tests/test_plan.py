@@ -13,6 +13,9 @@ from tests.conftest import read_metrics, run_cli, tiny_args
 def default_plan(tmp_path_factory):
     """The default job (the embedded tiny model) planned on this CPU with two trials."""
     out = tmp_path_factory.mktemp("plan")
+    # The job's data first (the tokenizer and its tokenized corpus): a cold cache would slow the first trial only.
+    run_cli("train", "--training.steps=2", f"--job.run_dir={out / 'warm'}", "--profile.report=false",
+            "--profile.tensorboard=false", "--profile.progress=false")
     proc = run_cli("plan", "--out", str(out), "--plan.trials=2", "--plan.trial_steps=8", f"--job.run_dir={out / 'run'}")
     return out, proc
 

@@ -67,7 +67,8 @@ def run_trial(config: str | None, overrides: list[str], settings: dict, steps: i
         return Measured(None, None, None, None, None, None, f"did not finish within {timeout_s:.0f} s")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    timed = [r for r in rows if r["step"] > _UNTIMED] or rows[-1:]
+    # The later half of the steps, and never the first two: the data plane may still be filling its caches.
+    timed = [r for r in rows if r["step"] > max(_UNTIMED, steps // 2)] or rows[-1:]
     step_s = _median([r.get("step_s") for r in timed])
     peaks = [r.get("mem.peak_gb") or r.get("mem.host_rss_gb") for r in rows]
     tokens = rows[-1]["tokens"] / rows[-1]["step"]
