@@ -41,7 +41,7 @@ def _publish(tmp: Path, final: Path) -> None:
 def stdlib_sources(root: Path) -> list[SourceConfig]:
     """The embedded default: code and docstrings of this Python's standard library, as two jsonl sources."""
     lib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in lib.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    files = sorted(_stdlib_files(lib))
     key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:16]
     directory = root / f"stdlib-{key}"
     if not (directory / "docs.jsonl").is_file():
@@ -60,6 +60,14 @@ def stdlib_sources(root: Path) -> list[SourceConfig]:
                     docs.write(json.dumps({"text": prose, "file": name}) + "\n")
         _publish(tmp, directory)
     return [SourceConfig(name=n, path=str(directory / f"{n}.jsonl"), weight=w) for n, w in STDLIB_WEIGHTS.items()]
+
+
+def _stdlib_files(lib: Path):
+    """The .py files under the standard library, not descending into installed packages (site-packages can hold
+    a hundred times more files, and every run lists these)."""
+    for directory, subdirs, names in os.walk(lib):
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]
+        yield from (Path(directory, n) for n in names if n.endswith(".py"))
 
 
 def _docstrings(source: str) -> str:

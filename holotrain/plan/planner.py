@@ -106,8 +106,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
     out = []
     for (tp, overlap), ac, (offload, ratio), fp8, compiled, chunk in itertools.product(
             layouts, ("none", "selective", "full"), offloads, fp8s, compiles, (0, 8192)):
-        if chunk and ac != "none":
-            continue  # under activation checkpointing the loss is chunked already (auto)
+        if chunk and (ac != "none" or tp > 1):
+            continue  # chunked already under activation checkpointing (auto); TP's vocabulary-parallel loss never is
         if tp > 1 and (offload or (fp8 != "none" and overlap != "none")):
             continue  # combinations the trainer refuses (config.validate)
         dp = ranks // tp
@@ -115,6 +115,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             continue
         per_rank = t.batch_size // dp
         for micro in (m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= per_rank and per_rank % m == 0):
+            if chunk and micro * cfg.data.seq_len <= chunk:
+                continue  # a micro-batch of one piece: the same step as the unchunked loss
             settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
                         "memory.offload": offload, "memory.offload_ratio": ratio, "training.compile": compiled,
                         "memory.loss_chunk_tokens": chunk}

@@ -16,7 +16,7 @@ _UNTIMED = 2  # the first steps: compilation, allocator and clock warm-up
 
 @dataclass
 class Measured:
-    step_s: float | None  # median over the timed steps
+    step_s: float | None  # mean over the timed steps
     tokens_per_s: float | None
     peak_gb: float | None  # GPU peak (host RSS on a CPU)
     cpu_step_s: float | None  # the offload engine's CPU step
@@ -67,9 +67,12 @@ def run_trial(config: str | None, overrides: list[str], settings: dict, steps: i
         return Measured(None, None, None, None, None, None, f"did not finish within {timeout_s:.0f} s")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    # The later half of the steps, and never the first two: the data plane may still be filling its caches.
+    # The later half of the steps, and never the first two: the data plane may still be filling its caches. Their
+    # mean, not the median: the rate the run gets, slow steps included (an offload step rolled back after a clip,
+    # a loader tokenizing its next chunk on the cores a CPU run trains on).
     timed = [r for r in rows if r["step"] > max(_UNTIMED, steps // 2)] or rows[-1:]
-    step_s = _median([r.get("step_s") for r in timed])
+    times = [r["step_s"] for r in timed if r.get("step_s")]
+    step_s = sum(times) / len(times) if times else None
     peaks = [r.get("mem.peak_gb") or r.get("mem.host_rss_gb") for r in rows]
     tokens = rows[-1]["tokens"] / rows[-1]["step"]
     return Measured(step_s, tokens / step_s if step_s else None, max((p for p in peaks if p), default=None),
