@@ -1,3 +1,5 @@
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -49,6 +51,17 @@ def run_cli(*args, env=None, check=True, timeout=600) -> subprocess.CompletedPro
     if check and proc.returncode != 0:
         raise AssertionError(f"holotrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def run_cli_here(*args) -> subprocess.CompletedProcess:
+    """holotrain's main() in this process, for a command that ends at a user error before anything starts (a
+    process of its own costs seconds of startup). An exception that escapes main() fails the test."""
+    from holotrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(["holotrain", *args], code, out.getvalue(), err.getvalue())
 
 
 def read_metrics(run_dir) -> list[dict]:

@@ -1,7 +1,7 @@
 import pytest
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, parse_overrides, resolve
-from tests.conftest import run_cli
+from tests.conftest import run_cli_here
 
 
 def test_defaults_resolve_from_preset():
@@ -101,7 +101,8 @@ def test_override_syntax():
     ],
 )
 def test_cli_config_error_is_one_line_exit_2(tmp_path, args, key):
-    proc = run_cli("train", f"--job.run_dir={tmp_path}", "--data.tokenizer_sample_mb=0.2", "--data.vocab_size=300", *args, check=False)
+    proc = run_cli_here("train", f"--job.run_dir={tmp_path}", "--data.tokenizer_sample_mb=0.2", "--data.vocab_size=300",
+                        *args)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

@@ -6,16 +6,13 @@ import tomllib
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_cli, tiny_args
+from tests.conftest import read_metrics, run_cli, run_cli_here, tiny_args
 
 
 @pytest.fixture(scope="module")
 def default_plan(tmp_path_factory):
     """The default job (the embedded tiny model) planned on this CPU with two trials."""
     out = tmp_path_factory.mktemp("plan")
-    # The job's data first (the tokenizer and its tokenized corpus): a cold cache would slow the first trial only.
-    run_cli("train", "--training.steps=2", f"--job.run_dir={out / 'warm'}", "--profile.report=false",
-            "--profile.tensorboard=false", "--profile.progress=false")
     proc = run_cli("plan", "--out", str(out), "--plan.trials=2", "--plan.trial_steps=12", f"--job.run_dir={out / 'run'}")
     return out, proc
 
@@ -59,13 +56,12 @@ def test_train_takes_a_plan_and_refuses_another_jobs_or_machines(default_plan, t
     assert config["checkpoint"]["every"] == overlay["checkpoint"]["every"]
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
 
-    proc = run_cli("train", "--plan", str(out / "plan.toml"), "--model.n_layers=2", f"--job.run_dir={run}-2",
-                   check=False)
+    proc = run_cli_here("train", "--plan", out / "plan.toml", "--model.n_layers=2", f"--job.run_dir={run}-2")
     assert proc.returncode == 2 and "was made for another job" in proc.stderr and "Traceback" not in proc.stderr
     elsewhere = tmp_path / "elsewhere.toml"
     text = (out / "plan.toml").read_text()
     elsewhere.write_text(text.replace(overlay["planned"]["machine"], "cuda:NVIDIA H200:143GB"))
-    proc = run_cli("train", "--plan", str(elsewhere), f"--job.run_dir={run}-3", check=False)
+    proc = run_cli_here("train", "--plan", elsewhere, f"--job.run_dir={run}-3")
     assert proc.returncode == 2 and "was made on another machine (cuda:NVIDIA H200:143GB)" in proc.stderr
 
 
@@ -79,8 +75,8 @@ def test_train_with_plan_auto_plans_then_trains(tmp_path):
 
 
 def test_nothing_fits_names_the_smallest_memory_it_would_need(tmp_path):
-    proc = run_cli("plan", "--out", str(tmp_path), "--model.preset=7b", "--model.n_layers=200", "--data.seq_len=2048",
-                   "--data.vocab_size=32000", "--training.batch_size=8", "--job.device=cpu", check=False)
+    proc = run_cli_here("plan", "--out", tmp_path, "--model.preset=7b", "--model.n_layers=200", "--data.seq_len=2048",
+                        "--data.vocab_size=32000", "--training.batch_size=8", "--job.device=cpu")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "nothing fits" in proc.stderr and "the smallest needs" in proc.stderr and "GB" in proc.stderr
 
@@ -135,8 +131,7 @@ def test_plan_for_two_processes_tries_tensor_and_data_parallelism(tmp_path):
     torchrun(2, "train", "--plan", str(out / "plan.toml"), *tiny_args(run, **{"model.ffn_dim": 192,
                                                                                "training.steps": 2}))
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
-    proc = run_cli("train", "--plan", str(out / "plan.toml"), *tiny_args(tmp_path / "one", **{"model.ffn_dim": 192}),
-                   check=False)
+    proc = run_cli_here("train", "--plan", out / "plan.toml", *tiny_args(tmp_path / "one", **{"model.ffn_dim": 192}))
     assert proc.returncode == 2 and "was made for another job" in proc.stderr and "2 ranks" in proc.stderr
 
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from holotrain.profile.report import write_report
-from tests.conftest import read_metrics, run_cli, tiny_args
+from tests.conftest import read_metrics, run_cli, run_cli_here, tiny_args
 
 T0 = 1_764_400_000.0  # unix seconds of the synthetic run's start
 H200 = {"max_sm_clock_mhz": 1980, "max_mem_clock_mhz": 3201, "power_limit_w": 700.0, "default_power_limit_w": 700.0}
@@ -215,7 +215,7 @@ def test_nulls_nan_and_garbage_are_tolerated(tmp_path):
 
 
 def test_missing_metrics_is_one_line_error(tmp_path):
-    proc = run_cli("report", str(tmp_path / "nowhere"), check=False)
+    proc = run_cli_here("report", tmp_path / "nowhere")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and str(tmp_path / "nowhere") in lines[0] and "metrics.jsonl" in lines[0]

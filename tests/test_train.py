@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from holotrain.train.checkpoint import SafeFileSystemReader, latest_checkpoint
-from tests.conftest import read_metrics, run_cli, sigkill_after, tiny_args
+from tests.conftest import read_metrics, run_cli, run_cli_here, sigkill_after, tiny_args
 
 
 def losses(run_dir):
@@ -115,7 +115,7 @@ def test_export_loads_in_transformers_with_same_logits(reference_run, tmp_path):
 
 
 def test_export_of_non_run_dir_is_a_clear_error(tmp_path):
-    proc = run_cli("export", str(tmp_path), str(tmp_path / "out"), check=False)
+    proc = run_cli_here("export", tmp_path, tmp_path / "out")
     assert proc.returncode == 2 and "config.toml" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -140,7 +140,7 @@ def _measured_score(cfg: Config, m: Measured) -> float:
     return m.tokens_per_s or 0.0
 
 
-def _calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> None:
+def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> None:
     """Folds a trial's measurements into the calibration. With offload: the CPU AdamW rate from its CPU step, and
     how much of that step was exposed against the model's overlap rule (its step time less the other phases as
     predicted). Without: the GEMM efficiency of its (device, compiled), or FP8's gain where the bf16 efficiency is
@@ -184,13 +184,12 @@ class PlanResult:
     machine: Machine
     signature: str
     seconds: float
+    calibration: Calibration | None = None  # what the trials measured
 
 
-def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: Machine | None = None,
-              log=print, ranks: int = 1) -> PlanResult:
-    """Plans the job for `ranks` processes of this machine (one GPU each) and writes out_dir/plan.toml and
-    out_dir/plan.json."""
-    t0 = time.perf_counter()
+def prepare(config: str | None, overrides: list[str], machine: Machine | None = None):
+    """What predicting the job takes: (its resolved config, its model on the meta device, this machine's rates
+    (measured, or cached), the calibration before any trial: FP8's gain from the GEMM probe where there is FP8)."""
     cfg = job_config(config, overrides)
     device = plan_device(cfg)
     if machine is None:
@@ -209,7 +208,15 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
         rows = fp8_predict(fp8_shapes(model, cfg.training.fp8_skip), micro * cfg.data.seq_len, device)
         bf16 = sum(r["bf16_s"] * r["layers"] for r in rows)
         calib.fp8_gain = bf16 / max(1e-9, sum((r["fp8_s"] + r["cast_s"]) * r["layers"] for r in rows))
+    return cfg, model, machine, calib
 
+
+def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: Machine | None = None,
+              log=print, ranks: int = 1) -> PlanResult:
+    """Plans the job for `ranks` processes of this machine (one GPU each) and writes out_dir/plan.toml and
+    out_dir/plan.json."""
+    t0 = time.perf_counter()
+    cfg, model, machine, calib = prepare(config, overrides, machine)
     candidates = enumerate_candidates(cfg, machine, ranks)
     if not candidates:
         raise ConfigError(f"training.batch_size = {cfg.training.batch_size} does not split over {ranks} ranks")
@@ -238,7 +245,7 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
             break
         started = time.perf_counter()
         best = max(left, key=lambda c: score(c.predicted))
-        best.predicted_at_trial = _prediction_dict(best.predicted)
+        best.predicted_at_trial = prediction_dict(best.predicted)
         log(f"holotrain: plan: trial {i + 1}/{cfg.plan.trials}: {best.label} (predicted "
             f"{best.predicted.tokens_per_s:,.0f} tokens/s)")
         best.measured = run_trial(config, overrides, best.settings, cfg.plan.trial_steps,
@@ -248,7 +255,7 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
         if best.measured.error:
             log(f"holotrain: plan: trial {i + 1} failed: {best.measured.error}")
             continue
-        _calibrate(calib, best, machine, repredict)
+        calibrate(calib, best, machine, repredict)
         predict_all()
     ran = [c for c in tried if not c.measured.error]
     if ran:
@@ -259,7 +266,7 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
     step_s = chosen.measured.step_s if chosen.measured and chosen.measured.step_s else chosen.predicted.step_s
     every = young_daly_steps(blocking, cfg.job.mtbf_hours, step_s)
     result = PlanResult(chosen, candidates, every, blocking, machine, job_signature(cfg, ranks),
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, calib)
     write_plan(result, cfg, out_dir)
     return result
 
@@ -276,7 +283,7 @@ def _nothing_fits(cfg: Config, candidates: list[Candidate], ranks: int) -> str:
             "memory (hw.gpu_memory_gb caps it)")
 
 
-def _prediction_dict(p: Prediction) -> dict:
+def prediction_dict(p: Prediction) -> dict:
     return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "j_per_token": p.j_per_token,
             "gpu_gb": None if p.gpu_bytes is None else p.gpu_bytes / 1e9, "host_gb": p.host_bytes / 1e9,
             "phases_s": dict(p.phases), "fits": p.fits, "why_not": p.why_not,
@@ -309,13 +316,23 @@ def write_plan(result: PlanResult, cfg: Config, out_dir: Path) -> None:
     rows = []
     for cand in sorted(result.candidates, key=lambda x: -x.predicted.tokens_per_s):
         rows.append({"label": cand.label, "settings": cand.settings, "micro": cand.micro, "accum": cand.accum,
-                     "predicted": _prediction_dict(cand.predicted),
+                     "predicted": prediction_dict(cand.predicted),
                      "predicted_at_trial": cand.predicted_at_trial,
                      "measured": dataclasses.asdict(cand.measured) if cand.measured else None,
                      "chosen": cand is c})
     (out_dir / "plan.json").write_text(json.dumps({
         "planned": planned, "overlay": _overlay(result), "machine": dataclasses.asdict(result.machine),
-        "seconds": round(result.seconds, 1), "candidates": rows}, indent=1))
+        "seconds": round(result.seconds, 1), "calibration": _calibration_dict(result.calibration),
+        "candidates": rows}, indent=1))
+
+
+def _calibration_dict(calib: Calibration | None) -> dict | None:
+    if calib is None:
+        return None
+    out = dataclasses.asdict(calib)
+    out["efficiency"] = {f"{device}, {'compiled' if compiled else 'eager'}": v
+                         for (device, compiled), v in calib.efficiency.items()}
+    return out
 
 
 def print_table(result: PlanResult, limit: int = 12) -> None:

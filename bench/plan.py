@@ -1,0 +1,190 @@
+"""The planner's cost model and its choice against measurement, through `holotrain train` (the real corpus, the
+shipped config's clipping) in the same run.
+
+  sweep       each point of a list (a shipped config and settings) predicted, then trained for --steps steps as a
+              planner trial is; the prediction is taken twice: from the priors alone, and calibrated by the points
+              of the same job measured before it (the planner's own rule, holotrain/plan/planner.py: calibrate).
+              Peak memory (GPU; host RSS on a CPU) and step time, predicted against measured.
+  exhaustive  `holotrain plan` on a job (timed, as a user runs it), then every candidate it found fitting trained
+              for --steps steps: the planned setting's tokens/s against the best of them all. --where narrows the
+              candidates by their settings (section.key=value, repeatable) where the whole space would take too long.
+
+Points: --points h200 (125m, 1.4b and the 7B offload config over activation checkpointing, micro-batches 1-16,
+offload ratios 0 / 0.5 / 1 and FP8) or cpu (the embedded default job). Rows are appended to OUT/rows.jsonl as they
+finish; the summary is printed and written to OUT/summary.json.
+
+  python bench/plan.py sweep --points cpu --out /tmp/plan-sweep
+  python bench/plan.py exhaustive --out /tmp/plan-exhaustive                # the embedded default job
+  python bench/plan.py exhaustive --config 1.4b --where training.compile=true --out /tmp/plan-14b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from holotrain.config import batch_layout
+from holotrain.plan.cost import Calibration, Prediction, predict, with_settings
+from holotrain.plan.planner import Candidate, calibrate, prediction_dict, prepare
+from holotrain.plan.trials import as_override, run_trial
+
+_AC_NONE = {"memory.activation_checkpointing": "none"}
+_NO_OFFLOAD = {"memory.offload": False}
+# (config, settings): each a run the memory and time models are checked on.
+POINTS = {
+    "h200": [
+        ("125m", {"training.micro_batch_size": 8, **_AC_NONE}),
+        ("125m", {"training.micro_batch_size": 32, **_AC_NONE}),
+        ("125m", {"training.micro_batch_size": 16, "memory.activation_checkpointing": "full"}),
+        ("1.4b", {"training.micro_batch_size": 8, **_AC_NONE}),
+        ("1.4b", {"training.micro_batch_size": 1, **_AC_NONE}),
+        ("1.4b", {"training.micro_batch_size": 4, **_AC_NONE}),
+        ("1.4b", {"training.micro_batch_size": 8, "memory.activation_checkpointing": "selective"}),
+        ("1.4b", {"training.micro_batch_size": 8, "memory.activation_checkpointing": "full"}),
+        ("1.4b", {"training.batch_size": 16, "training.micro_batch_size": 16, **_AC_NONE,
+                  "memory.loss_chunk_tokens": 8192}),
+        ("1.4b", {"training.micro_batch_size": 8, **_AC_NONE, "training.fp8": "tensorwise"}),
+        ("1.4b", {"training.micro_batch_size": 8, **_AC_NONE, "memory.offload": True, "memory.offload_ratio": 0.5}),
+        ("1.4b", {"training.micro_batch_size": 8, **_AC_NONE, "memory.offload": True, "memory.offload_ratio": 1.0}),
+        ("offload", {"training.micro_batch_size": 8, "memory.offload_ratio": 1.0}),
+        ("offload", {"training.micro_batch_size": 8, "memory.offload_ratio": 0.5}),
+        ("offload", {"training.micro_batch_size": 8, **_NO_OFFLOAD, "training.fp8": "tensorwise"}),
+    ],
+    "cpu": [
+        (None, {"training.micro_batch_size": 16, **_AC_NONE}),
+        (None, {"training.micro_batch_size": 4, **_AC_NONE}),
+        (None, {"training.micro_batch_size": 1, **_AC_NONE}),
+        (None, {"training.micro_batch_size": 8, "memory.activation_checkpointing": "selective"}),
+        (None, {"training.micro_batch_size": 16, "memory.activation_checkpointing": "full"}),
+        (None, {"training.micro_batch_size": 2, "memory.activation_checkpointing": "full"}),
+    ],
+}
+
+
+def _candidate(cfg, settings: dict) -> Candidate:
+    micro, accum = batch_layout(with_settings(cfg, settings), 1)
+    return Candidate(dict(settings), micro, accum)
+
+
+def _append(out: Path, row: dict) -> None:
+    with open(out / "rows.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _error(predicted: float | None, measured: float | None) -> float | None:
+    return None if not predicted or not measured else predicted / measured - 1
+
+
+def sweep(args) -> dict:
+    jobs: dict = {}  # config -> (cfg, model, machine, calibration, FP8's probed gain, points measured so far)
+    rows = []
+    for i, (config, settings) in enumerate(POINTS[args.points]):
+        if config not in jobs:
+            cfg, model, machine, calib = prepare(config, args.overrides)
+            jobs[config] = [cfg, model, machine, calib, calib.fp8_gain, 0]
+        cfg, model, machine, calib, probed_gain, measured_before = jobs[config]
+
+        def repredict(c: Candidate, calib=calib) -> Prediction:
+            return predict(model, with_settings(cfg, c.settings), machine, calib, c.micro, c.accum)
+
+        c = _candidate(cfg, settings)
+        prior = predict(model, with_settings(cfg, settings), machine, Calibration(fp8_gain=probed_gain), c.micro,
+                        c.accum)
+        c.predicted = repredict(c)
+        print(f"[{i + 1}/{len(POINTS[args.points])}] {config or 'default'}: {c.label}", flush=True)
+        c.measured = m = run_trial(config, args.overrides, settings, args.steps, args.out / "trial", args.timeout)
+        gb = c.predicted.gpu_bytes if machine.device == "cuda" else c.predicted.host_bytes
+        row = {"config": config or "default", "label": c.label, "settings": settings,
+               "measured_before": measured_before,
+               "prior": prediction_dict(prior), "calibrated": prediction_dict(c.predicted),
+               "measured": dataclasses.asdict(m), "memory_error": _error(gb / 1e9, m.peak_gb),
+               "step_error_prior": _error(prior.step_s, m.step_s),
+               "step_error_calibrated": _error(c.predicted.step_s, m.step_s)}
+        if not m.error:
+            calibrate(calib, c, machine, repredict)
+            jobs[config][-1] += 1
+        print(f"    memory {gb / 1e9:.1f} GB predicted / {m.peak_gb or 0:.1f} measured; step "
+              f"{prior.step_s:.3f} s prior / {c.predicted.step_s:.3f} calibrated / {m.step_s or 0:.3f} measured"
+              f"{'  ' + m.error if m.error else ''}", flush=True)
+        _append(args.out, row)
+        rows.append(row)
+    ok = [r for r in rows if not r["measured"]["error"]]
+    memory = [abs(r["memory_error"]) for r in ok if r["memory_error"] is not None]
+    # A job's first point has nothing measured before it: its calibrated prediction is the prior.
+    later = [abs(r["step_error_calibrated"]) for r in ok if r["measured_before"]]
+    return {"points": len(rows), "ran": len(ok), "device": machine.name,
+            "memory_within_10pct": f"{sum(e <= 0.10 for e in memory)} of {len(memory)}",
+            "memory_worst": max(memory, default=None),
+            "step_calibrated_within_10pct": f"{sum(e <= 0.10 for e in later)} of {len(later)}",
+            "step_calibrated_worst": max(later, default=None),
+            "step_prior_worst": max((abs(r["step_error_prior"]) for r in ok), default=None)}
+
+
+def _matches(settings: dict, where: list[str]) -> bool:
+    for clause in where:
+        key, _, value = clause.partition("=")
+        if as_override(key, settings.get(key)) != f"--{key}={value}":
+            return False
+    return True
+
+
+def exhaustive(args) -> dict:
+    started = time.perf_counter()
+    cmd = [sys.executable, "-m", "holotrain.cli", "plan", "--out", str(args.out / "plan")]
+    cmd += (["--config", args.config] if args.config else []) + args.overrides
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    plan_s = time.perf_counter() - started
+    (args.out / "plan.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        sys.exit(f"holotrain plan failed (exit {proc.returncode}); see {args.out / 'plan.log'}")
+    plan = json.loads((args.out / "plan" / "plan.json").read_text())
+    print(f"holotrain plan: {plan_s:.0f} s; chosen {next(c['label'] for c in plan['candidates'] if c['chosen'])}",
+          flush=True)
+    fitting = [c for c in plan["candidates"] if c["predicted"]["fits"] and _matches(c["settings"], args.where)]
+    chosen = next(c for c in plan["candidates"] if c["chosen"])
+    if chosen not in fitting:
+        fitting.insert(0, chosen)  # the chosen one is always measured beside the others
+    rows = []
+    for i, c in enumerate(fitting):
+        print(f"[{i + 1}/{len(fitting)}] {c['label']}", flush=True)
+        m = run_trial(args.config, args.overrides, c["settings"], args.steps, args.out / "trial", args.timeout)
+        row = {"label": c["label"], "settings": c["settings"], "chosen": c["chosen"],
+               "predicted_tokens_per_s": c["predicted"]["tokens_per_s"], "measured": dataclasses.asdict(m)}
+        print(f"    {m.tokens_per_s or 0:,.0f} tokens/s measured ({c['predicted']['tokens_per_s']:,.0f} predicted)"
+              f"{'  ' + m.error if m.error else ''}", flush=True)
+        _append(args.out, row)
+        rows.append(row)
+    ran = [r for r in rows if r["measured"]["tokens_per_s"]]
+    best = max(ran, key=lambda r: r["measured"]["tokens_per_s"])
+    planned = next(r for r in rows if r["chosen"])
+    return {"plan_seconds": round(plan_s, 1), "candidates_measured": len(ran), "where": args.where,
+            "planned": planned["label"], "planned_tokens_per_s": planned["measured"]["tokens_per_s"],
+            "best": best["label"], "best_tokens_per_s": best["measured"]["tokens_per_s"],
+            "planned_over_best": (planned["measured"]["tokens_per_s"] or 0) / best["measured"]["tokens_per_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=("sweep", "exhaustive"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--points", choices=sorted(POINTS), default="cpu", help="sweep: the list of points")
+    parser.add_argument("--config", default=None, help="exhaustive: the job's config (default: the embedded one)")
+    parser.add_argument("--where", action="append", default=[], help="exhaustive: section.key=value")
+    parser.add_argument("--steps", type=int, default=8, help="steps per point (the later half is timed)")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("overrides", nargs="*", help="--section.key=value for every run")
+    args, unknown = parser.parse_known_args()
+    args.overrides = args.overrides + unknown
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = sweep(args) if args.mode == "sweep" else exhaustive(args)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
