@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from holotrain.config import batch_layout
 from holotrain.plan.cost import Calibration, Prediction, predict, with_settings
 from holotrain.plan.planner import Candidate, calibrate, prediction_dict, prepare

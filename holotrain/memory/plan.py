@@ -87,6 +87,15 @@ def offloaded_units(units: list[Unit], ratio: float) -> set[str]:
 # What is available
 
 
+def process_rss_bytes() -> int | None:
+    """Resident memory of this process, or None where /proc cannot say."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def host_available_bytes() -> int:
     """RAM this process may still take: MemAvailable, lowered by a cgroup (container) limit if there is one."""
     avail = None

@@ -9,7 +9,8 @@ pinned buffers). Time is summed from phases:
               calibrate (the rest of a step: attention kernels, norms, launches); activation checkpointing adds
               its recomputation (memory/activation_checkpointing.py: recompute_share), FP8 divides by its
               measured gain (precision/lever.py: matmul_time)
-  micro       a fixed cost per micro-batch (launches, Python)
+  micro       a fixed cost per micro-batch (launches, Python), fitted with the efficiency once trials differ in
+              their number of micro-batches
   offload     the CPU step's exposed part by the engine's overlap rule (memory/offload/cost.py), its measured
               share calibrated by trials
   tp, fsdp    with several ranks: tensor parallelism's exposed collectives and FSDP2's unhidden part, the bytes
@@ -60,6 +61,7 @@ class Machine:
     host_copy_bytes_s: float  # a host-to-host copy (a save of host-resident state, on a CPU)
     power_w: float | None  # the GPU's power limit: J/token when the run draws it
     fp8: bool  # FP8 matmuls available (sm_89+)
+    runtime_bytes: float = 0.0  # host memory a training process holds before its model (torch, CUDA context)
 
     @property
     def fingerprint(self) -> str:
@@ -77,6 +79,10 @@ class Calibration:
     """What trials measured, as corrections of the priors."""
 
     efficiency: dict = field(default_factory=dict)  # (device, compiled) -> measured GEMM efficiency
+    micro_s: dict = field(default_factory=dict)  # (device, compiled) -> measured seconds per micro-batch
+    # (device, compiled) -> [(the step's matmul seconds at the full GEMM rate, micro-batches, measured seconds less
+    # the other phases)]: the trials that efficiency and micro_s are fitted to
+    steps: dict = field(default_factory=dict)
     adamw_params_s: float | None = None  # measured offload CPU rate
     fp8_gain: float | None = None  # measured step-time gain of FP8, or the GEMM probe's prediction
     offload_scale: float | None = None  # measured exposed CPU step against the overlap rule's
@@ -127,6 +133,8 @@ def _memory(model, cfg, machine: Machine, micro: int, accum: int, ranks: int) ->
     for parts in (plan.gpu, plan.host):
         if key in parts:
             parts[key] *= tp_activation_share(cfg.parallel.tp)
+    if machine.runtime_bytes:
+        plan.host["runtime (measured)"] = machine.runtime_bytes
     return plan
 
 
@@ -148,9 +156,10 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     # Each lever's terms: activation checkpointing's recomputation, FP8's matmul gain, offload's exposed CPU step
     # (every early step clips with grad_clip > 0: the conservative case), a save's blocking time.
     body = flops * (1 + recompute_share(cfg.memory.activation_checkpointing, m.n_layers))
-    eff = calib.efficiency.get((machine.device, t.compile), EFFICIENCY[(machine.device, t.compile)])
+    key = (machine.device, t.compile)
+    eff = calib.efficiency.get(key, EFFICIENCY[key])
     compute = matmul_time(body / ranks / (machine.gemm_flops * eff), t.fp8, calib.fp8_gain)
-    phases = {"compute": compute, "micro": MICRO_S[machine.device] * accum}
+    phases = {"compute": compute, "micro": calib.micro_s.get(key, MICRO_S[machine.device]) * accum}
     if ranks > 1:
         link = calib.link_bytes_s or LINK_BYTES_S[machine.device]
         # TP's collectives without overlap are exposed; FSDP2's hide behind compute but for the first gather.
@@ -170,6 +179,30 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     return Prediction(plan.gpu_need if machine.device == "cuda" else None, plan.host_need, not why, "; ".join(why),
                       phases, tokens, flops, machine.peak_flops, calib.power_w or machine.power_w, offloaded,
                       save_s, ranks, dict(memory))
+
+
+def fit_compute(calib: Calibration, key: tuple, work_s: float, micros: int, measured_s: float) -> None:
+    """Adds a trial (its matmul seconds at the full GEMM rate, its micro-batches per step, its step time less the
+    other phases) and refits the GEMM efficiency of `key` = (device, compiled) over all of them, by least squares;
+    with the seconds per micro-batch too once the trials differ in micro-batches (eager steps on a CPU pay ~15 ms
+    per micro-batch, not the prior's 2), else that stays as it was."""
+    obs = calib.steps.setdefault(key, [])
+    obs.append((work_s, micros, measured_s))
+    micro_s = calib.micro_s.get(key, MICRO_S[key[0]])
+    if len({n for _, n, _ in obs}) > 1:
+        ww = sum(w * w for w, _, _ in obs)
+        wn = sum(w * n for w, n, _ in obs)
+        nn_ = sum(n * n for _, n, _ in obs)
+        wy = sum(w * y for w, _, y in obs)
+        ny = sum(n * y for _, n, y in obs)
+        det = ww * nn_ - wn * wn
+        if det > 0:
+            inv_eff, per_micro = (wy * nn_ - ny * wn) / det, (ww * ny - wn * wy) / det
+            if inv_eff > 0 and per_micro >= 0:
+                micro_s = per_micro
+    inv_eff = sum(w * (y - n * micro_s) for w, n, y in obs) / ww if (ww := sum(w * w for w, _, _ in obs)) else 0
+    if inv_eff > 0:
+        calib.efficiency[key], calib.micro_s[key] = 1 / inv_eff, micro_s
 
 
 def young_daly_steps(blocking_s: float, mtbf_hours: float, step_s: float) -> int:

@@ -5,6 +5,7 @@
   host_copy_bytes_s  a large host-to-host copy: what a save of host-resident state blocks for
   adamw_params_s  the offload engine's own CPU AdamW (memory/offload/kernels.py) on 16M parameters, on the
                   threads the engine would use
+  runtime_bytes   the host memory a training process holds before its model (measured on every plan, not cached)
 The cache (HOLOTRAIN_CACHE or ~/.cache/holotrain, plan-machine.json) is keyed by the device's name, memory, and the
 host's CPU model and core count, so another machine measures afresh."""
 
@@ -19,7 +20,14 @@ from pathlib import Path
 import torch
 
 from holotrain.hw.peak import peak_bf16_flops
-from holotrain.memory.plan import GPU_USABLE, HOST_USABLE, gpu_available_bytes, gpu_cap_bytes, host_available_bytes
+from holotrain.memory.plan import (
+    GPU_USABLE,
+    HOST_USABLE,
+    gpu_available_bytes,
+    gpu_cap_bytes,
+    host_available_bytes,
+    process_rss_bytes,
+)
 from holotrain.plan.cost import Machine, fingerprint
 
 _GEMM_S = 2.0
@@ -86,6 +94,14 @@ def _copy_rate() -> float:
     return src.numel() * 4 / sorted(times[1:])[1]
 
 
+def _runtime_bytes() -> float:
+    """Host memory a training process holds before its model: this process's resident memory with torch and
+    holotrain's trainer imported (and, on a GPU, the CUDA context its GEMM probe created)."""
+    import holotrain.train.trainer  # noqa: F401 - what a training process imports
+
+    return float(process_rss_bytes() or 0)
+
+
 def _power_limit_w(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
@@ -138,4 +154,4 @@ def measure_machine(device: torch.device, gpu_memory_gb: float, cache: Path) -> 
         fp8 = torch.cuda.get_device_capability(device) >= (8, 9)
     return Machine(device.type, name, total, gpu_memory, host_available_bytes() * HOST_USABLE, rates["gemm_flops"],
                    peak_bf16_flops(device) if device.type == "cuda" else None, rates["adamw_params_s"],
-                   rates.get("host_copy_bytes_s", 10e9), rates["power_w"], fp8)
+                   rates.get("host_copy_bytes_s", 10e9), rates["power_w"], fp8, _runtime_bytes())

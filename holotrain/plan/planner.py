@@ -27,6 +27,7 @@ from holotrain.plan.cost import (
     Calibration,
     Machine,
     Prediction,
+    fit_compute,
     predict,
     with_settings,
     young_daly_steps,
@@ -143,8 +144,9 @@ def _measured_score(cfg: Config, m: Measured) -> float:
 def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> None:
     """Folds a trial's measurements into the calibration. With offload: the CPU AdamW rate from its CPU step, and
     how much of that step was exposed against the model's overlap rule (its step time less the other phases as
-    predicted). Without: the GEMM efficiency of its (device, compiled), or FP8's gain where the bf16 efficiency is
-    known already, from its step time less the other phases as predicted."""
+    predicted). Without: the GEMM efficiency and the seconds per micro-batch of its (device, compiled), fitted over
+    all its trials (cost.fit_compute), or FP8's gain where the bf16 efficiency is known already, from the step time
+    less the other phases as predicted."""
     m = c.measured
     if m.step_s is None:
         return
@@ -172,7 +174,10 @@ def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> 
     if c.settings.get("training.fp8", "none") != "none" and key in calib.efficiency:
         calib.fp8_gain = (calib.fp8_gain or 1.0) * p.phases["compute"] / compute
         return
-    calib.efficiency[key] = calib.efficiency.get(key, EFFICIENCY[key]) * p.phases["compute"] / compute
+    # The step's matmul seconds at the full GEMM rate (FP8's over its gain, before any bf16 trial).
+    work = p.phases["compute"] * calib.efficiency.get(key, EFFICIENCY[key])
+    fit_compute(calib, key, work, c.accum, m.step_s - sum(v for k, v in p.phases.items()
+                                                          if k not in ("compute", "micro")))
 
 
 @dataclass
@@ -330,8 +335,9 @@ def _calibration_dict(calib: Calibration | None) -> dict | None:
     if calib is None:
         return None
     out = dataclasses.asdict(calib)
-    out["efficiency"] = {f"{device}, {'compiled' if compiled else 'eager'}": v
-                         for (device, compiled), v in calib.efficiency.items()}
+    for name in ("efficiency", "micro_s", "steps"):
+        out[name] = {f"{device}, {'compiled' if compiled else 'eager'}": v
+                     for (device, compiled), v in getattr(calib, name).items()}
     return out
 
 

@@ -24,7 +24,7 @@ from holotrain.hw.lever import build as build_hardware
 from holotrain.memory import Memory
 from holotrain.memory import build as build_memory
 from holotrain.memory import build_optimizer as _build_optimizer
-from holotrain.memory.plan import gpu_cap_bytes
+from holotrain.memory.plan import gpu_cap_bytes, process_rss_bytes
 from holotrain.model import Llama, flops_per_token, num_params
 from holotrain.optim import AdamWHyper, StepOptimizer
 from holotrain.precision import build as build_precision
@@ -246,11 +246,8 @@ def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, 
 
 
 def _host_rss_gb() -> float | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
+    rss = process_rss_bytes()
+    return None if rss is None else rss / 1e9
 
 
 def _global_mean(value: torch.Tensor, env: DistEnv) -> float:
