@@ -152,10 +152,12 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
         why.append(f"host needs {plan.host_need / 1e9:.1f} GB of {plan.host_capacity / 1e9:.1f}")
 
     tokens = micro * accum * dp * cfg.data.seq_len
-    flops = flops_per_token(model_args(cfg), cfg.data.seq_len) * tokens
+    per_token = flops_per_token(model_args(cfg), cfg.data.seq_len)
+    flops = per_token * tokens
+    blocks_share = 1 - 6 * m.dim * m.vocab_size / per_token  # the head's 6 FLOPs per weight are not recomputed
     # Each lever's terms: activation checkpointing's recomputation, FP8's matmul gain, offload's exposed CPU step
     # (every early step clips with grad_clip > 0: the conservative case), a save's blocking time.
-    body = flops * (1 + recompute_share(cfg.memory.activation_checkpointing, m.n_layers))
+    body = flops * (1 + recompute_share(cfg.memory.activation_checkpointing, m.n_layers, blocks_share))
     key = (machine.device, t.compile)
     eff = calib.efficiency.get(key, EFFICIENCY[key])
     compute = matmul_time(body / ranks / (machine.gemm_flops * eff), t.fp8, calib.fp8_gain)
@@ -184,12 +186,13 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
 def fit_compute(calib: Calibration, key: tuple, work_s: float, micros: int, measured_s: float) -> None:
     """Adds a trial (its matmul seconds at the full GEMM rate, its micro-batches per step, its step time less the
     other phases) and refits the GEMM efficiency of `key` = (device, compiled) over all of them, by least squares;
-    with the seconds per micro-batch too once the trials differ in micro-batches (eager steps on a CPU pay ~15 ms
-    per micro-batch, not the prior's 2), else that stays as it was."""
+    with the seconds per micro-batch too once the trials' micro-batches per step differ by 4x or more (closer, the
+    difference of two step times is mostly noise), else that stays as it was."""
     obs = calib.steps.setdefault(key, [])
     obs.append((work_s, micros, measured_s))
     micro_s = calib.micro_s.get(key, MICRO_S[key[0]])
-    if len({n for _, n, _ in obs}) > 1:
+    counts = [n for _, n, _ in obs]
+    if max(counts) >= 4 * min(counts):
         ww = sum(w * w for w, _, _ in obs)
         wn = sum(w * n for w, n, _ in obs)
         nn_ = sum(n * n for _, n, _ in obs)
