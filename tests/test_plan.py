@@ -31,6 +31,7 @@ def test_plan_of_the_default_job_writes_the_overlay_and_every_candidate(default_
     assert len(rows) == 15 and all(r["predicted"]["fits"] for r in rows)
     tried = [r for r in rows if r["measured"]]
     assert len(tried) == 2 and all(not r["measured"]["error"] for r in tried)
+    assert all(r["measured"]["data_wait_s"] >= 0 and r["measured"]["loaders"] >= 1 for r in tried)
     chosen = [r for r in rows if r["chosen"]]
     assert len(chosen) == 1 and chosen[0]["measured"]
     assert chosen[0]["measured"]["tokens_per_s"] == max(r["measured"]["tokens_per_s"] for r in tried)
@@ -135,6 +136,40 @@ def test_efficiency_and_seconds_per_micro_batch_are_fitted_over_the_trials():
     fit_compute(calib, key, 1.0, 1, 2.0)
     fit_compute(calib, key, 1.0, 16, 1.5)  # more micro-batches, faster: no negative cost per micro-batch
     assert calib.micro_s[key] == MICRO_S["cpu"] and calib.efficiency[key] > 0
+
+
+def test_a_trial_that_waited_for_data_sets_the_loader_rate_and_the_plan_raises_data_workers():
+    """A trial whose steps waited for the data plane: its loaders' rate is measured from it, the compute terms are
+    fitted to the step without the wait, and a setting the plane cannot keep up with is predicted at the plane's
+    pace and gets the loaders it needs."""
+    from holotrain.model import Llama
+    from holotrain.plan.cost import Calibration, Machine, predict, with_settings
+    from holotrain.plan.planner import Candidate, calibrate, job_config, loaders_needed
+    from holotrain.plan.trials import Measured
+    from holotrain.train.resolve import model_args
+
+    cfg = job_config(None, ["--data.workers=2"])
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    cpu = Machine("cpu", "test", None, None, 16e9, 50e9, None, 1e8, 5e9, None, False)
+    calib = Calibration()
+
+    def repredict(c):
+        return predict(model, with_settings(cfg, c.settings), cpu, calib, c.micro, c.accum)
+
+    c = Candidate({"training.micro_batch_size": 16, "memory.activation_checkpointing": "none"}, 16, 1)
+    c.predicted = repredict(c)
+    tokens = c.predicted.tokens_per_step
+    c.measured = Measured(0.5, tokens / 0.5, 1.0, None, None, None, "", data_wait_s=0.3, loaders=2)
+    calibrate(calib, c, cpu, repredict)
+    assert calib.loader_tokens_s == pytest.approx(tokens / 0.5 / 2)
+    again = repredict(c)  # 0.2 s of compute as fitted, the plane's 0.5 s: 0.3 s waited
+    assert again.step_s == pytest.approx(0.5, rel=1e-6) and again.phases["data"] == pytest.approx(0.3, rel=1e-3)
+    # 0.2 s of compute needs the plane 2.5x as fast: 5 loaders, one per core at most, none past data.workers.
+    assert loaders_needed(cfg, again, calib, cores=16) == 5 and loaders_needed(cfg, again, calib, cores=3) == 3
+    assert loaders_needed(cfg, again, calib, cores=2) is None
+    more = predict(model, with_settings(cfg, {"data.workers": 5}), cpu, calib, 16, 1)
+    assert more.phases["data"] == pytest.approx(0.0, abs=1e-9)
 
 
 @pytest.mark.slow

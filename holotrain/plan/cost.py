@@ -16,6 +16,8 @@ pinned buffers). Time is summed from phases:
   tp, fsdp    with several ranks: tensor parallelism's exposed collectives and FSDP2's unhidden part, the bytes
               from parallel/cost.py at the node's link rate (calibrated by trials)
   checkpoint  a save's blocking time (train/checkpointer.py: save_blocking_s), spread over the save interval
+  data        the wait for the data plane where its loaders (data.workers of them at most) cannot keep up, at the
+              tokens/s per loader a trial measured when it waited; none before one did
 
 Calibration: each trial's measured step time (and CPU step, with offload) rescales the term it depends on, so the
 candidates not tried are predicted with what the tried ones measured."""
@@ -88,6 +90,7 @@ class Calibration:
     offload_scale: float | None = None  # measured exposed CPU step against the overlap rule's
     link_bytes_s: float | None = None  # measured collective rate between ranks
     power_w: float | None = None  # measured average power under load
+    loader_tokens_s: float | None = None  # the data plane's tokens/s per loader, measured by a trial that waited
 
 
 @dataclass
@@ -177,6 +180,10 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
                              None if machine.device == "cuda" else machine.host_copy_bytes_s)
     if cfg.checkpoint.every:
         phases["checkpoint"] = save_s / cfg.checkpoint.every
+    if calib.loader_tokens_s:
+        # Loaders run beside the step: only what they take beyond it is waited for.
+        plane_s = tokens / (calib.loader_tokens_s * cfg.data.workers)
+        phases["data"] = max(0.0, plane_s - sum(phases.values()))
     memory = plan.gpu if machine.device == "cuda" else plan.host
     return Prediction(plan.gpu_need if machine.device == "cuda" else None, plan.host_need, not why, "; ".join(why),
                       phases, tokens, flops, machine.peak_flops, calib.power_w or machine.power_w, offloaded,

@@ -5,13 +5,16 @@ is chosen), and the best measured written as an overlay, plan.toml, with every c
 The candidates (one process, one GPU or the CPU): micro-batch (and so gradient accumulation), activation
 checkpointing, loss chunking, memory.offload and its ratio, FP8 where the GPU has it, and compilation, on a GPU;
 micro-batch and activation checkpointing on a CPU. The checkpoint interval is not a candidate: it follows from
-the chosen setting's save cost and job.mtbf_hours (Young/Daly)."""
+the chosen setting's save cost and job.mtbf_hours (Young/Daly). Nor is data.workers: the plane starts loaders as
+training needs them, up to that many; the plan raises the cap when a trial waited for data and the chosen setting
+would need more loaders at the rate they were measured."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -35,7 +38,7 @@ from holotrain.plan.cost import (
 from holotrain.plan.trials import Measured, run_trial
 from holotrain.train.resolve import model_args
 
-OVERLAY_KEYS = ("training", "memory", "parallel", "checkpoint")  # the sections a plan sets
+OVERLAY_KEYS = ("training", "memory", "parallel", "checkpoint", "data")  # the sections a plan sets
 
 
 @dataclass
@@ -141,6 +144,11 @@ def _measured_score(cfg: Config, m: Measured) -> float:
     return m.tokens_per_s or 0.0
 
 
+def _others(p: Prediction, *skip: str) -> float:
+    """The predicted seconds of the phases other than `skip` and the wait for data (measured apart)."""
+    return sum(v for k, v in p.phases.items() if k not in skip and k != "data")
+
+
 def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> None:
     """Folds a trial's measurements into the calibration. With offload: the CPU AdamW rate from its CPU step, and
     how much of that step was exposed against the model's overlap rule (its step time less the other phases as
@@ -150,12 +158,16 @@ def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> 
     m = c.measured
     if m.step_s is None:
         return
+    step_s = m.step_s - (m.data_wait_s or 0.0)  # the step without its wait for data: what the other terms took
+    if m.data_wait_s and m.data_wait_s > 0.02 * m.step_s and m.loaders:
+        # The plane set the pace: its loaders made the step's tokens in the step's time.
+        calib.loader_tokens_s = c.predicted.tokens_per_step / m.step_s / m.loaders
     if c.predicted.offloaded:
         if m.cpu_step_s:
             calib.adamw_params_s = c.predicted.offloaded / m.cpu_step_s
         p = repredict(c)
         modeled = p.phases.get("offload", 0.0) / (calib.offload_scale or 1.0)
-        exposed = m.step_s - sum(v for k, v in p.phases.items() if k != "offload")
+        exposed = step_s - _others(p, "offload")
         if modeled > 0:
             calib.offload_scale = max(0.0, exposed) / modeled
         return
@@ -164,11 +176,11 @@ def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> 
     comm = p.phases.get("tp", 0.0) + p.phases.get("fsdp", 0.0)
     if comm > 0 and key in calib.efficiency:
         # Compute known from one process: the rest is the collectives, at the rate they really ran.
-        exposed = m.step_s - sum(v for k, v in p.phases.items() if k not in ("tp", "fsdp"))
+        exposed = step_s - _others(p, "tp", "fsdp")
         if exposed > 0:
             calib.link_bytes_s = (calib.link_bytes_s or LINK_BYTES_S[machine.device]) * comm / exposed
         return
-    compute = m.step_s - sum(v for k, v in p.phases.items() if k != "compute")
+    compute = step_s - _others(p, "compute")
     if compute <= 0:
         return
     if c.settings.get("training.fp8", "none") != "none" and key in calib.efficiency:
@@ -176,8 +188,7 @@ def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> 
         return
     # The step's matmul seconds at the full GEMM rate (FP8's over its gain, before any bf16 trial).
     work = p.phases["compute"] * calib.efficiency.get(key, EFFICIENCY[key])
-    fit_compute(calib, key, work, c.accum, m.step_s - sum(v for k, v in p.phases.items()
-                                                          if k not in ("compute", "micro")))
+    fit_compute(calib, key, work, c.accum, step_s - _others(p, "compute", "micro"))
 
 
 @dataclass
@@ -190,6 +201,7 @@ class PlanResult:
     signature: str
     seconds: float
     calibration: Calibration | None = None  # what the trials measured
+    data_workers: int | None = None  # data.workers raised: the loaders the chosen setting needs
 
 
 def prepare(config: str | None, overrides: list[str], machine: Machine | None = None):
@@ -271,9 +283,21 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
     step_s = chosen.measured.step_s if chosen.measured and chosen.measured.step_s else chosen.predicted.step_s
     every = young_daly_steps(blocking, cfg.job.mtbf_hours, step_s)
     result = PlanResult(chosen, candidates, every, blocking, machine, job_signature(cfg, ranks),
-                        time.perf_counter() - t0, calib)
+                        time.perf_counter() - t0, calib, loaders_needed(cfg, chosen.predicted, calib))
     write_plan(result, cfg, out_dir)
     return result
+
+
+def loaders_needed(cfg: Config, p: Prediction, calib: Calibration, cores: int | None = None) -> int | None:
+    """More loaders than data.workers when the setting would wait for data at the measured rate per loader (at
+    most one per core of this machine), else None."""
+    if not calib.loader_tokens_s or p.phases.get("data", 0.0) <= 0:
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = p.step_s - p.phases["data"]
+    need = min(math.ceil(p.tokens_per_step / (calib.loader_tokens_s * busy) - 1e-9), cores)
+    return need if need > cfg.data.workers else None
 
 
 def _nothing_fits(cfg: Config, candidates: list[Candidate], ranks: int) -> str:
@@ -301,6 +325,8 @@ def _overlay(result: PlanResult) -> dict:
         section, key = name.split(".")
         out.setdefault(section, {})[key] = value
     out.setdefault("checkpoint", {})["every"] = result.checkpoint_every
+    if result.data_workers:
+        out["data"] = {"workers": result.data_workers}
     return out
 
 
@@ -361,8 +387,10 @@ def print_table(result: PlanResult, limit: int = 12) -> None:
     if not console.is_terminal:  # a log file: no wrapping of the settings column
         console = Console(width=150)
     console.print(table)
+    loaders = (f"; data.workers = {result.data_workers} (the trials waited for data)" if result.data_workers
+               else "")
     console.print(f"chosen: {result.chosen.label}; checkpoint.every = {result.checkpoint_every} (Young/Daly, "
-                  f"{result.blocking_s:.3f} s per save); planned in {result.seconds:.0f} s")
+                  f"{result.blocking_s:.3f} s per save){loaders}; planned in {result.seconds:.0f} s")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ class Measured:
     speculated: float | None  # share of steps the offload engine speculated (did not clip)
     j_per_token: float | None
     error: str  # "" when the trial ran
+    data_wait_s: float | None = None  # mean wait for the data plane over the timed steps
+    loaders: int | None = None  # the data plane's loader processes at the end
 
 
 def as_override(name: str, value) -> str:
@@ -34,6 +36,11 @@ def as_override(name: str, value) -> str:
 def _median(values: list[float]) -> float | None:
     values = sorted(v for v in values if v is not None)
     return values[len(values) // 2] if values else None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 # Several GPUs of one node: NVLink multicast off (NCCL's NVLS, symmetric memory's and NVSHMEM's), which these
@@ -71,12 +78,12 @@ def run_trial(config: str | None, overrides: list[str], settings: dict, steps: i
     # mean, not the median: the rate the run gets, slow steps included (an offload step rolled back after a clip,
     # a loader tokenizing its next chunk on the cores a CPU run trains on).
     timed = [r for r in rows if r["step"] > max(_UNTIMED, steps // 2)] or rows[-1:]
-    times = [r["step_s"] for r in timed if r.get("step_s")]
-    step_s = sum(times) / len(times) if times else None
+    step_s = _mean([r.get("step_s") for r in timed])
     peaks = [r.get("mem.peak_gb") or r.get("mem.host_rss_gb") for r in rows]
     tokens = rows[-1]["tokens"] / rows[-1]["step"]
     return Measured(step_s, tokens / step_s if step_s else None, max((p for p in peaks if p), default=None),
                     _median([r.get("offload.cpu_step_s") for r in timed]),
                     _median([r.get("offload.speculated") for r in timed]),
                     rows[-1].get("energy.run_j_per_token") or _median([r.get("energy.j_per_token") for r in timed]),
-                    "")
+                    "", _mean([r.get("time.data_wait") for r in timed]),
+                    sum((rows[-1].get("data.workers") or {}).values()) or None)
