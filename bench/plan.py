@@ -8,13 +8,15 @@ shipped config's clipping) in the same run.
   exhaustive  `holotrain plan` on a job (timed, as a user runs it), then every candidate it found fitting trained
               for --steps steps: the planned setting's tokens/s against the best of them all. --where narrows the
               candidates by their settings (section.key=value, repeatable) where the whole space would take too long.
+              --repeats N measures each candidate N times, in rounds over all of them, and takes the median (the
+              steps of one setting on a CPU vary by 10-15% from run to run).
 
 Points: --points h200 (125m, 1.4b and the 7B offload config over activation checkpointing, micro-batches 1-16,
 offload ratios 0 / 0.5 / 1 and FP8) or cpu (the embedded default job). Rows are appended to OUT/rows.jsonl as they
 finish; the summary is printed and written to OUT/summary.json.
 
   python bench/plan.py sweep --points cpu --out /tmp/plan-sweep
-  python bench/plan.py exhaustive --out /tmp/plan-exhaustive                # the embedded default job
+  python bench/plan.py exhaustive --repeats 3 --out /tmp/plan-exhaustive    # the embedded default job
   python bench/plan.py exhaustive --config 1.4b --where training.compile=true --out /tmp/plan-14b
 """
 
@@ -151,23 +153,32 @@ def exhaustive(args) -> dict:
     chosen = next(c for c in plan["candidates"] if c["chosen"])
     if chosen not in fitting:
         fitting.insert(0, chosen)  # the chosen one is always measured beside the others
-    rows = []
-    for i, c in enumerate(fitting):
-        print(f"[{i + 1}/{len(fitting)}] {c['label']}", flush=True)
-        m = run_trial(args.config, args.overrides, c["settings"], args.steps, args.out / "trial", args.timeout)
-        row = {"label": c["label"], "settings": c["settings"], "chosen": c["chosen"],
-               "predicted_tokens_per_s": c["predicted"]["tokens_per_s"], "measured": dataclasses.asdict(m)}
-        print(f"    {m.tokens_per_s or 0:,.0f} tokens/s measured ({c['predicted']['tokens_per_s']:,.0f} predicted)"
-              f"{'  ' + m.error if m.error else ''}", flush=True)
-        _append(args.out, row)
-        rows.append(row)
-    ran = [r for r in rows if r["measured"]["tokens_per_s"]]
-    best = max(ran, key=lambda r: r["measured"]["tokens_per_s"])
-    planned = next(r for r in rows if r["chosen"])
-    return {"plan_seconds": round(plan_s, 1), "candidates_measured": len(ran), "where": args.where,
-            "planned": planned["label"], "planned_tokens_per_s": planned["measured"]["tokens_per_s"],
-            "best": best["label"], "best_tokens_per_s": best["measured"]["tokens_per_s"],
-            "planned_over_best": (planned["measured"]["tokens_per_s"] or 0) / best["measured"]["tokens_per_s"]}
+    # Each candidate --repeats times, in rounds over all of them (a machine's drift reaches every candidate alike);
+    # a candidate's figure is the median of its passes.
+    passes: dict[int, list] = {i: [] for i in range(len(fitting))}
+    for round_ in range(args.repeats):
+        for i, c in enumerate(fitting):
+            print(f"[pass {round_ + 1}/{args.repeats}, {i + 1}/{len(fitting)}] {c['label']}", flush=True)
+            m = run_trial(args.config, args.overrides, c["settings"], args.steps, args.out / "trial", args.timeout)
+            print(f"    {m.tokens_per_s or 0:,.0f} tokens/s measured ({c['predicted']['tokens_per_s']:,.0f} "
+                  f"predicted){'  ' + m.error if m.error else ''}", flush=True)
+            _append(args.out, {"label": c["label"], "settings": c["settings"], "chosen": c["chosen"], "pass": round_,
+                               "predicted_tokens_per_s": c["predicted"]["tokens_per_s"],
+                               "measured": dataclasses.asdict(m)})
+            passes[i].append(m.tokens_per_s)
+    rates = {}
+    for i, runs in passes.items():
+        ok = sorted(r for r in runs if r)
+        if ok:
+            rates[i] = ok[len(ok) // 2] if len(ok) % 2 else (ok[len(ok) // 2 - 1] + ok[len(ok) // 2]) / 2
+    best = max(rates, key=rates.get)
+    planned = next(i for i, c in enumerate(fitting) if c["chosen"])
+    return {"plan_seconds": round(plan_s, 1), "candidates_measured": len(rates), "repeats": args.repeats,
+            "where": args.where, "planned": fitting[planned]["label"], "planned_tokens_per_s": rates.get(planned),
+            "best": fitting[best]["label"], "best_tokens_per_s": rates[best],
+            "planned_over_best": (rates.get(planned) or 0) / rates[best],
+            "spread_of_a_candidate": max((max(r) / min(r) - 1 for r in passes.values() if all(r) and len(r) > 1),
+                                         default=None)}
 
 
 def main() -> None:
@@ -178,6 +189,7 @@ def main() -> None:
     parser.add_argument("--config", default=None, help="exhaustive: the job's config (default: the embedded one)")
     parser.add_argument("--where", action="append", default=[], help="exhaustive: section.key=value")
     parser.add_argument("--steps", type=int, default=8, help="steps per point (the later half is timed)")
+    parser.add_argument("--repeats", type=int, default=1, help="exhaustive: passes over the candidates (median)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("overrides", nargs="*", help="--section.key=value for every run")
     args, unknown = parser.parse_known_args()
