@@ -9,8 +9,8 @@ pinned buffers). Time is summed from phases:
               calibrate (the rest of a step: attention kernels, norms, launches); activation checkpointing adds
               its recomputation (memory/activation_checkpointing.py: recompute_share), FP8 divides by its
               measured gain (precision/lever.py: matmul_time)
-  micro       a fixed cost per micro-batch (launches, Python), fitted with the efficiency once trials differ in
-              their number of micro-batches
+  micro       a fixed cost per micro-batch (launches, Python), fitted with the efficiency once two trials'
+              micro-batch counts are 4x apart (fit_compute)
   offload     the CPU step's exposed part by the engine's overlap rule (memory/offload/cost.py), its measured
               share calibrated by trials
   tp, fsdp    with several ranks: tensor parallelism's exposed collectives and FSDP2's unhidden part, the bytes
@@ -28,6 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from holotrain.memory.activation_checkpointing import recompute_share
@@ -197,20 +198,13 @@ def fit_compute(calib: Calibration, key: tuple, work_s: float, micros: int, meas
     difference of two step times is mostly noise), else that stays as it was."""
     obs = calib.steps.setdefault(key, [])
     obs.append((work_s, micros, measured_s))
+    w, n, y = (np.array(column, dtype=np.float64) for column in zip(*obs))
     micro_s = calib.micro_s.get(key, MICRO_S[key[0]])
-    counts = [n for _, n, _ in obs]
-    if max(counts) >= 4 * min(counts):
-        ww = sum(w * w for w, _, _ in obs)
-        wn = sum(w * n for w, n, _ in obs)
-        nn_ = sum(n * n for _, n, _ in obs)
-        wy = sum(w * y for w, _, y in obs)
-        ny = sum(n * y for _, n, y in obs)
-        det = ww * nn_ - wn * wn
-        if det > 0:
-            inv_eff, per_micro = (wy * nn_ - ny * wn) / det, (ww * ny - wn * wy) / det
-            if inv_eff > 0 and per_micro >= 0:
-                micro_s = per_micro
-    inv_eff = sum(w * (y - n * micro_s) for w, n, y in obs) / ww if (ww := sum(w * w for w, _, _ in obs)) else 0
+    if n.max() >= 4 * n.min():
+        (inv_eff, per_micro), *_ = np.linalg.lstsq(np.stack([w, n], axis=1), y, rcond=None)
+        if inv_eff > 0 and per_micro >= 0:
+            micro_s = float(per_micro)
+    inv_eff = float(w @ (y - n * micro_s) / (w @ w))  # 1 / efficiency, with micro_s held
     if inv_eff > 0:
         calib.efficiency[key], calib.micro_s[key] = 1 / inv_eff, micro_s
 
