@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -166,11 +167,7 @@ def exhaustive(args) -> dict:
                                "predicted_tokens_per_s": c["predicted"]["tokens_per_s"],
                                "measured": dataclasses.asdict(m)})
             passes[i].append(m.tokens_per_s)
-    rates = {}
-    for i, runs in passes.items():
-        ok = sorted(r for r in runs if r)
-        if ok:
-            rates[i] = ok[len(ok) // 2] if len(ok) % 2 else (ok[len(ok) // 2 - 1] + ok[len(ok) // 2]) / 2
+    rates = {i: statistics.median(ok) for i, runs in passes.items() if (ok := [r for r in runs if r])}
     best = max(rates, key=rates.get)
     planned = next(i for i, c in enumerate(fitting) if c["chosen"])
     return {"plan_seconds": round(plan_s, 1), "candidates_measured": len(rates), "repeats": args.repeats,

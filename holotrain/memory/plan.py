@@ -87,6 +87,11 @@ def offloaded_units(units: list[Unit], ratio: float) -> set[str]:
 # What is available
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity: a container or taskset may allow fewer than the host has)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def process_rss_bytes() -> int | None:
     """Resident memory of this process, or None where /proc cannot say."""
     try:

@@ -27,6 +27,7 @@ from holotrain.memory.plan import (
     gpu_cap_bytes,
     host_available_bytes,
     process_rss_bytes,
+    usable_cores,
 )
 from holotrain.plan.cost import Machine, fingerprint
 
@@ -39,7 +40,7 @@ def _cache_file(cache: Path) -> Path:
 
 
 def _key(device: torch.device) -> str:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     gpu = ""
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
@@ -70,7 +71,7 @@ def _adamw_rate() -> float:
     from holotrain.memory.offload.kernels import adamw_flat, cpu_kernels
 
     kernels = cpu_kernels("auto")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     n = 16 << 20
     p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
     g = torch.randn(n).to(torch.bfloat16)
@@ -95,10 +96,8 @@ def _copy_rate() -> float:
 
 
 def _runtime_bytes() -> float:
-    """Host memory a training process holds before its model: this process's resident memory with torch and
-    holotrain's trainer imported (and, on a GPU, the CUDA context its GEMM probe created)."""
-    import holotrain.train.trainer  # noqa: F401 - what a training process imports
-
+    """Host memory a training process holds before its model: this process's resident memory, torch imported
+    (and, on a GPU, the CUDA context its GEMM probe created)."""
     return float(process_rss_bytes() or 0)
 
 

@@ -24,6 +24,7 @@ import torch
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
 from holotrain.model import Llama
+from holotrain.memory.plan import usable_cores
 from holotrain.plan.cost import (
     EFFICIENCY,
     LINK_BYTES_S,
@@ -294,7 +295,7 @@ def loaders_needed(cfg: Config, p: Prediction, calib: Calibration, cores: int | 
     if not calib.loader_tokens_s or p.phases.get("data", 0.0) <= 0:
         return None
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
     busy = p.step_s - p.phases["data"]
     need = min(math.ceil(p.tokens_per_step / (calib.loader_tokens_s * busy) - 1e-9), cores)
     return need if need > cfg.data.workers else None

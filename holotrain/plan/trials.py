@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -33,14 +34,14 @@ def as_override(name: str, value) -> str:
     return f"--{name}={value}"
 
 
-def _median(values: list[float]) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    return values[len(values) // 2] if values else None
+def _median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _mean(values: list[float | None]) -> float | None:
     values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+    return statistics.fmean(values) if values else None
 
 
 # Several GPUs of one node: NVLink multicast off (NCCL's NVLS, symmetric memory's and NVSHMEM's), which these

@@ -9,7 +9,6 @@ import collections
 import contextlib
 import functools
 import math
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -28,7 +27,7 @@ from holotrain.memory.offload.state import (
     load_engine_state,
 )
 from holotrain.memory.offload.worker import CpuWorker
-from holotrain.memory.plan import model_units, offloadable, offloaded_units
+from holotrain.memory.plan import model_units, offloadable, offloaded_units, usable_cores
 from holotrain.optim import AdamWHyper, fused_adamw, step_clipped
 
 if TYPE_CHECKING:
@@ -54,8 +53,7 @@ class OffloadEngine(CpuWorker):
         # One GPU: working weights in the compute dtype (bf16 halves their memory and the transfers); FSDP2 keeps
         # fp32 shards and gathers them in bf16 itself; on the CPU the working dtype is the compute dtype (fp32).
         self.working_dtype = compute_dtype if not self.sharded else torch.float32
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.threads = section.offload_threads or max(1, cores // max(1, env.local_world_size) - 1)
+        self.threads = section.offload_threads or max(1, usable_cores() // max(1, env.local_world_size) - 1)
 
         units = model_units(model)
         cpu_units = offloaded_units(units, section.offload_ratio)
