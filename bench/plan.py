@@ -71,9 +71,17 @@ POINTS = {
 }
 
 
+# The settings the planner's candidates always carry: a point's own settings are completed from its config, so
+# that it is labelled, predicted and calibrated as the planner's candidate of the same run would be.
+_PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing", "memory.offload",
+                 "memory.offload_ratio", "training.compile", "memory.loss_chunk_tokens", "training.fp8")
+
+
 def _candidate(cfg, settings: dict) -> Candidate:
-    micro, accum = batch_layout(with_settings(cfg, settings), 1)
-    return Candidate(dict(settings), micro, accum)
+    full = with_settings(cfg, settings)
+    micro, accum = batch_layout(full, 1)
+    complete = {k: getattr(getattr(full, k.split(".")[0]), k.split(".")[1]) for k in _PLANNED_KEYS}
+    return Candidate({**complete, **settings}, micro, accum)
 
 
 def _append(out: Path, row: dict) -> None:
@@ -88,7 +96,10 @@ def _error(predicted: float | None, measured: float | None) -> float | None:
 def sweep(args) -> dict:
     jobs: dict = {}  # config -> (cfg, model, machine, calibration, FP8's probed gain, points measured so far)
     rows = []
-    for i, (config, settings) in enumerate(POINTS[args.points]):
+    points = [(c, s) for c, s in POINTS[args.points] if not args.configs or (c or "default") in args.configs]
+    if args.only:
+        points = [points[i - 1] for i in args.only]
+    for i, (config, settings) in enumerate(points):
         if config not in jobs:
             cfg, model, machine, calib = prepare(config, args.overrides)
             jobs[config] = [cfg, model, machine, calib, calib.fp8_gain, 0]
@@ -101,11 +112,11 @@ def sweep(args) -> dict:
         prior = predict(model, with_settings(cfg, settings), machine, Calibration(fp8_gain=probed_gain), c.micro,
                         c.accum)
         c.predicted = repredict(c)
-        print(f"[{i + 1}/{len(POINTS[args.points])}] {config or 'default'}: {c.label}", flush=True)
+        print(f"[{i + 1}/{len(points)}] {config or 'default'}: {c.label}", flush=True)
         c.measured = m = run_trial(config, args.overrides, settings, args.steps, args.out / "trial", args.timeout)
         gb = c.predicted.gpu_bytes if machine.device == "cuda" else c.predicted.host_bytes
         row = {"config": config or "default", "label": c.label, "settings": settings,
-               "measured_before": measured_before,
+               "measured_before": measured_before, "machine": dataclasses.asdict(machine), "fp8_gain": probed_gain,
                "prior": prediction_dict(prior), "calibrated": prediction_dict(c.predicted),
                "measured": dataclasses.asdict(m), "memory_error": _error(gb / 1e9, m.peak_gb),
                "step_error_prior": _error(prior.step_s, m.step_s),
@@ -183,6 +194,10 @@ def main() -> None:
     parser.add_argument("mode", choices=("sweep", "exhaustive"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--points", choices=sorted(POINTS), default="cpu", help="sweep: the list of points")
+    parser.add_argument("--configs", type=lambda v: v.split(","), default=None,
+                        help="sweep: only the points of these configs (comma-separated), e.g. to split it over calls")
+    parser.add_argument("--only", type=lambda v: [int(i) for i in v.split(",")], default=None,
+                        help="sweep: only these points (1-based, after --configs)")
     parser.add_argument("--config", default=None, help="exhaustive: the job's config (default: the embedded one)")
     parser.add_argument("--where", action="append", default=[], help="exhaustive: section.key=value")
     parser.add_argument("--steps", type=int, default=8, help="steps per point (the later half is timed)")

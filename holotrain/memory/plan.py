@@ -32,7 +32,6 @@ from holotrain.precision.lever import FP8_ACTIVATIONS
 
 GPU_USABLE = 0.95  # of free GPU memory: the caching allocator loses some to fragmentation
 HOST_USABLE = 0.90  # of available host RAM: Python, the data plane and CUDA's own host allocations need the rest
-BACKWARD_SHARE = 0.29  # the blocks' backward buffers against their saved bf16 activations (activation_bytes)
 
 
 @dataclass
@@ -162,28 +161,53 @@ def loss_chunk_tokens(cfg) -> int:
     return chunk_tokens(cfg.memory)
 
 
-def activation_bytes(cfg, micro: int, elem_bytes: int) -> int:
-    """Estimate of the activation memory of one micro-batch at its peak, which comes at one of two moments:
-      the loss    every block's saved activations, and the logits in bf16 and fp32 with their gradient (about 8
-                  bytes per token and vocabulary entry) of one piece when the loss is taken in pieces
-      backward    the saved activations, and the blocks' backward buffers, about BACKWARD_SHARE of their bf16
-                  saved activations (FP8 does not shrink these)
-    A compiled block keeps about 7*dim + 2*ffn values per token; a checkpointed block keeps only its input, and
-    one block at a time is recomputed; FP8 blocks keep FP8_ACTIVATIONS of that. Fitted to eleven peaks measured
-    on an H200 (1.4b at B=8 and 16, bf16 and FP8, whole and chunked loss, offload; the 7B with every block
-    recomputed, with and without FP8 and offload), all within 6% (tests/test_plan.py holds them). Eager blocks
-    keep somewhat more."""
-    m = cfg.model
+# The activation model's constants, fitted to 23 peaks measured through `holotrain train` on an H200 (125m, 1.4b and
+# 7B; micro-batches 1-32; checkpointing none, selective and full; whole and chunked loss; FP8; offload ratios 0-1;
+# tests/test_plan.py holds them within 10%).
+SAVED_BYTES = 1.30  # per value a block keeps (7*dim + 2*ffn a token) and element byte: with its backward's buffers
+WEIGHT_CAST_BYTES = 2  # per weight of a block that is not recomputed: the bf16 cast of its fp32 weight, kept
+LOSS_BYTES = 2.3  # per token and vocabulary entry, the compiled whole loss: bf16 logits kept for backward
+EAGER_LOSS_BYTES = 10  # the same in eager mode: bf16 logits, their fp32 upcast and its gradient
+PIECE_BYTES = 7  # per token and vocabulary entry of one piece of the chunked loss (model/head.py), in fp32
+
+
+@dataclass
+class Activations:
+    """The activation memory of one micro-batch, by when it is held (bytes)."""
+
+    saved: float  # kept from forward to backward: the blocks' activations and weight casts, checkpoints' inputs
+    loss: float  # the logits (of one piece when the loss is chunked) at the loss
+    recompute: float  # one checkpointed block recomputed in backward, with its backward's buffers
+
+    @property
+    def peak(self) -> float:
+        """At the loss, then into the first recomputed block: the most that is held at once during a step."""
+        return self.saved + self.loss + self.recompute
+
+
+def activations(cfg, micro: int, elem_bytes: int, block_weights: int) -> Activations:
+    """Estimate of one micro-batch's activations. A block keeps about 7*dim + 2*ffn values per token (SAVED_BYTES
+    with its backward's buffers) and the bf16 casts of its weights (`block_weights`: the device-resident fp32
+    weights of all blocks; a bf16 working copy needs no cast); a checkpointed block keeps only its input and one
+    at a time is recomputed. FP8 blocks keep FP8_ACTIVATIONS of that and no weight casts."""
+    m, compiled = cfg.model, cfg.training.compile
     tokens = micro * cfg.data.seq_len
-    per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim)
+    per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim) * SAVED_BYTES
     recomputed = len(checkpointed_blocks(cfg.memory.activation_checkpointing, m.n_layers))
-    whole = (m.n_layers - recomputed + (1 if recomputed else 0)) * per_block  # kept, or being recomputed
-    blocks = whole + recomputed * tokens * elem_bytes * m.dim
-    if cfg.training.fp8 != "none":
-        blocks *= FP8_ACTIVATIONS
-    chunk = loss_chunk_tokens(cfg)  # the logits of one piece when the loss is chunked, else the micro-batch's
-    logits = (min(tokens, chunk) if chunk else tokens) * m.vocab_size * 8
-    return int(blocks + max(logits, BACKWARD_SHARE * whole))
+    kept = m.n_layers - recomputed
+    fp8 = FP8_ACTIVATIONS if cfg.training.fp8 != "none" else 1.0
+    casts = 0 if fp8 != 1.0 or elem_bytes == 4 else WEIGHT_CAST_BYTES * block_weights * kept / m.n_layers
+    saved = kept * per_block * fp8 + recomputed * tokens * elem_bytes * m.dim + casts
+    chunk = loss_chunk_tokens(cfg)
+    if chunk and chunk < tokens:
+        loss = chunk * m.vocab_size * PIECE_BYTES
+    else:
+        loss = tokens * m.vocab_size * (LOSS_BYTES if compiled and elem_bytes == 2 else EAGER_LOSS_BYTES)
+    return Activations(saved, loss, (per_block * fp8) if recomputed else 0.0)
+
+
+def activation_bytes(cfg, micro: int, elem_bytes: int, block_weights: int = 0) -> int:
+    return int(activations(cfg, micro, elem_bytes, block_weights).peak)
 
 
 @dataclass
@@ -238,7 +262,9 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     working = 2 if (cuda and world_size == 1 and bf16) else 4  # bytes of an offloaded parameter's working copy
     per_rank = 1 / world_size
     local_ranks = local_ranks or world_size
-    acts = activation_bytes(cfg, micro, elem)
+    block_weights = sum(p.numel() for u in units if u.name.startswith("layers.") and u.name not in cpu_units
+                        for _, p in u.params) * per_rank
+    acts = activations(cfg, micro, elem, block_weights)
     gathered = 2 * biggest * elem if world_size > 1 else 0  # FSDP2 keeps about two blocks unsharded
 
     host_per_param = {"fp32 master": 4, "AdamW moments": 8, "gradient staging (pinned)" if cuda else "gradient staging": working}
@@ -250,8 +276,19 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     host: dict[str, float] = {}
     if cuda:
         gpu["working weights of offloaded parameters"] = n_cpu * per_rank * (working if world_size == 1 else 8)
-        gpu["weights, gradients and AdamW kept on the GPU"] = n_dev * per_rank * 16
-        gpu["activations (estimate)"] = acts
+        gpu["fp32 weights and AdamW moments kept on the GPU"] = n_dev * per_rank * 12
+        # The peak comes at one of two moments: at the loss, with every activation held (and the gradients of
+        # the micro-batches before when they accumulate), or at the end of backward, with every gradient.
+        grads = n_dev * per_rank * 4
+        at_loss = (grads if accum > 1 else 0.0) + acts.peak
+        at_end = grads + acts.recompute
+        if at_loss >= at_end:
+            if accum > 1:
+                gpu["fp32 gradients (accumulating)"] = grads
+            gpu["activations (estimate)"] = acts.peak
+        else:
+            gpu["fp32 gradients"] = grads
+            gpu["activations (estimate)"] = acts.recompute
         if gathered:
             gpu["gathered blocks (FSDP2)"] = gathered
         if mem.offload:
@@ -266,7 +303,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
                     host["model built in fp32 on the host (start-up peak)"] = build_peak - offloaded_host - upload_slots
     else:
         host["weights, gradients and AdamW"] = n_dev * per_rank * 16
-        host["activations (estimate)"] = acts
+        host["activations (estimate)"] = acts.peak
         if mem.offload:
             host_per_param["working weight"] = working
             host["offloaded masters, moments and staging"] = n_cpu * per_rank * sum(host_per_param.values())
