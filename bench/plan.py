@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holotrain.config import batch_layout
-from holotrain.plan.cost import Calibration, Prediction, predict, with_settings
+from holotrain.plan.cost import Calibration, Machine, Prediction, predict, with_settings
 from holotrain.plan.planner import Candidate, calibrate, prediction_dict, prepare
-from holotrain.plan.trials import as_override, run_trial
+from holotrain.plan.trials import Measured, as_override, run_trial
 
 _AC_NONE = {"memory.activation_checkpointing": "none"}
 _NO_OFFLOAD = {"memory.offload": False}
@@ -93,52 +93,98 @@ def _error(predicted: float | None, measured: float | None) -> float | None:
     return None if not predicted or not measured else predicted / measured - 1
 
 
+class _Checker:
+    """Predicts each point of a sweep from the priors and calibrated by the points of the same job measured before
+    it, compares with its measurement, then calibrates with it (the planner's own rule)."""
+
+    def __init__(self, overrides: list[str], machine: Machine | None = None, fp8_gains: dict | None = None):
+        self.overrides, self.machine, self.fp8_gains = overrides, machine, fp8_gains or {}
+        self.jobs: dict = {}  # config -> [cfg, model, machine, calibration, FP8's probed gain, points so far]
+        self.rows: list[dict] = []
+
+    def predict(self, config: str | None, settings: dict) -> Candidate:
+        if config not in self.jobs:
+            cfg, model, machine, calib = prepare(config, self.overrides, self.machine,
+                                                 # a replayed job without FP8 points needs no probe
+                                                 self.fp8_gains.get(config, 1.0 if self.machine else None))
+            self.jobs[config] = [cfg, model, machine, calib, calib.fp8_gain, 0]
+        cfg, model, machine, calib, probed_gain, _ = self.jobs[config]
+        c = _candidate(cfg, settings)
+        c.prior = predict(model, with_settings(cfg, c.settings), machine, Calibration(fp8_gain=probed_gain),
+                          c.micro, c.accum)
+        c.predicted = self._repredict(config, c)
+        return c
+
+    def _repredict(self, config: str | None, c: Candidate) -> Prediction:
+        cfg, model, machine, calib, *_ = self.jobs[config]
+        return predict(model, with_settings(cfg, c.settings), machine, calib, c.micro, c.accum)
+
+    def check(self, config: str | None, settings: dict, c: Candidate, m: Measured) -> dict:
+        _, _, machine, calib, probed_gain, measured_before = self.jobs[config]
+        c.measured = m
+        gb = c.predicted.gpu_bytes if machine.device == "cuda" else c.predicted.host_bytes
+        row = {"config": config or "default", "label": c.label, "settings": settings,
+               "measured_before": measured_before, "machine": dataclasses.asdict(machine), "fp8_gain": probed_gain,
+               "prior": prediction_dict(c.prior), "calibrated": prediction_dict(c.predicted),
+               "measured": dataclasses.asdict(m), "memory_error": _error(gb / 1e9, m.peak_gb),
+               "step_error_prior": _error(c.prior.step_s, m.step_s),
+               "step_error_calibrated": _error(c.predicted.step_s, m.step_s)}
+        if not m.error:
+            calibrate(calib, c, machine, lambda cand: self._repredict(config, cand))
+            self.jobs[config][-1] += 1
+        print(f"    memory {gb / 1e9:.1f} GB predicted / {m.peak_gb or 0:.1f} measured; step "
+              f"{c.prior.step_s:.3f} s prior / {c.predicted.step_s:.3f} calibrated / {m.step_s or 0:.3f} measured"
+              f"{'  ' + m.error if m.error else ''}", flush=True)
+        self.rows.append(row)
+        return row
+
+    def summary(self) -> dict:
+        ok = [r for r in self.rows if not r["measured"]["error"]]
+        memory = [abs(r["memory_error"]) for r in ok if r["memory_error"] is not None]
+        # A job's first point has nothing measured before it: its calibrated prediction is the prior.
+        later = [abs(r["step_error_calibrated"]) for r in ok if r["measured_before"]]
+        return {"points": len(self.rows), "ran": len(ok), "device": ok[0]["machine"]["name"] if ok else None,
+                "memory_within_10pct": f"{sum(e <= 0.10 for e in memory)} of {len(memory)}",
+                "memory_worst": max(memory, default=None),
+                "step_calibrated_within_10pct": f"{sum(e <= 0.10 for e in later)} of {len(later)}",
+                "step_calibrated_worst": max(later, default=None),
+                "step_prior_worst": max((abs(r["step_error_prior"]) for r in ok), default=None)}
+
+
 def sweep(args) -> dict:
-    jobs: dict = {}  # config -> (cfg, model, machine, calibration, FP8's probed gain, points measured so far)
-    rows = []
+    checker = _Checker(args.overrides)
     points = [(c, s) for c, s in POINTS[args.points] if not args.configs or (c or "default") in args.configs]
     if args.only:
         points = [points[i - 1] for i in args.only]
     for i, (config, settings) in enumerate(points):
-        if config not in jobs:
-            cfg, model, machine, calib = prepare(config, args.overrides)
-            jobs[config] = [cfg, model, machine, calib, calib.fp8_gain, 0]
-        cfg, model, machine, calib, probed_gain, measured_before = jobs[config]
-
-        def repredict(c: Candidate, calib=calib) -> Prediction:
-            return predict(model, with_settings(cfg, c.settings), machine, calib, c.micro, c.accum)
-
-        c = _candidate(cfg, settings)
-        prior = predict(model, with_settings(cfg, settings), machine, Calibration(fp8_gain=probed_gain), c.micro,
-                        c.accum)
-        c.predicted = repredict(c)
+        c = checker.predict(config, settings)
         print(f"[{i + 1}/{len(points)}] {config or 'default'}: {c.label}", flush=True)
-        c.measured = m = run_trial(config, args.overrides, settings, args.steps, args.out / "trial", args.timeout)
-        gb = c.predicted.gpu_bytes if machine.device == "cuda" else c.predicted.host_bytes
-        row = {"config": config or "default", "label": c.label, "settings": settings,
-               "measured_before": measured_before, "machine": dataclasses.asdict(machine), "fp8_gain": probed_gain,
-               "prior": prediction_dict(prior), "calibrated": prediction_dict(c.predicted),
-               "measured": dataclasses.asdict(m), "memory_error": _error(gb / 1e9, m.peak_gb),
-               "step_error_prior": _error(prior.step_s, m.step_s),
-               "step_error_calibrated": _error(c.predicted.step_s, m.step_s)}
-        if not m.error:
-            calibrate(calib, c, machine, repredict)
-            jobs[config][-1] += 1
-        print(f"    memory {gb / 1e9:.1f} GB predicted / {m.peak_gb or 0:.1f} measured; step "
-              f"{prior.step_s:.3f} s prior / {c.predicted.step_s:.3f} calibrated / {m.step_s or 0:.3f} measured"
-              f"{'  ' + m.error if m.error else ''}", flush=True)
-        _append(args.out, row)
-        rows.append(row)
-    ok = [r for r in rows if not r["measured"]["error"]]
-    memory = [abs(r["memory_error"]) for r in ok if r["memory_error"] is not None]
-    # A job's first point has nothing measured before it: its calibrated prediction is the prior.
-    later = [abs(r["step_error_calibrated"]) for r in ok if r["measured_before"]]
-    return {"points": len(rows), "ran": len(ok), "device": machine.name,
-            "memory_within_10pct": f"{sum(e <= 0.10 for e in memory)} of {len(memory)}",
-            "memory_worst": max(memory, default=None),
-            "step_calibrated_within_10pct": f"{sum(e <= 0.10 for e in later)} of {len(later)}",
-            "step_calibrated_worst": max(later, default=None),
-            "step_prior_worst": max((abs(r["step_error_prior"]) for r in ok), default=None)}
+        m = run_trial(config, args.overrides, settings, args.steps, args.out / "trial", args.timeout)
+        _append(args.out, checker.check(config, settings, c, m))
+    return checker.summary()
+
+
+def replay(args) -> dict:
+    """The rows of earlier runs (sweep rows, or any rows with config, settings and measured), in the order given,
+    predicted and calibrated by the cost model as it is now, on the machine they recorded (or --machine)."""
+    recorded = [json.loads(line) for path in args.rows for line in path.read_text().splitlines() if line.strip()]
+    machine = None
+    if args.machine or "machine" in recorded[0]:
+        machine = Machine(**(json.loads(args.machine.read_text()) if args.machine else recorded[0]["machine"]))
+    gains = {k: float(v) for k, _, v in (g.partition("=") for g in args.fp8_gain)}
+    for r in recorded:
+        if r.get("fp8_gain"):
+            gains.setdefault(r.get("config", args.config), r["fp8_gain"])
+    checker = _Checker(args.overrides, machine, gains)
+    for i, r in enumerate(recorded):
+        config = r.get("config", args.config)
+        config = None if config == "default" else config
+        c = checker.predict(config, r["settings"])
+        print(f"[{i + 1}/{len(recorded)}] {config or 'default'}: {c.label}", flush=True)
+        known = {f.name for f in dataclasses.fields(Measured)}
+        _append(args.out, checker.check(config, r["settings"], c,
+                                        Measured(**{k: v for k, v in r["measured"].items() if k in known})))
+    return checker.summary()
 
 
 def _matches(settings: dict, where: list[str]) -> bool:
@@ -191,7 +237,7 @@ def exhaustive(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("sweep", "exhaustive"))
+    parser.add_argument("mode", choices=("sweep", "exhaustive", "replay"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--points", choices=sorted(POINTS), default="cpu", help="sweep: the list of points")
     parser.add_argument("--configs", type=lambda v: v.split(","), default=None,
@@ -203,11 +249,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per point (the later half is timed)")
     parser.add_argument("--repeats", type=int, default=1, help="exhaustive: passes over the candidates (median)")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--rows", type=Path, nargs="+", default=[], help="replay: rows.jsonl files, in order")
+    parser.add_argument("--machine", type=Path, default=None,
+                        help="replay: the machine (JSON of plan.cost.Machine) where the rows do not record it")
+    parser.add_argument("--fp8-gain", action="append", default=[],
+                        help="replay: CONFIG=GAIN, FP8's probed gain for a job whose rows do not record it")
     parser.add_argument("overrides", nargs="*", help="--section.key=value for every run")
     args, unknown = parser.parse_known_args()
     args.overrides = args.overrides + unknown
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = sweep(args) if args.mode == "sweep" else exhaustive(args)
+    summary = {"sweep": sweep, "exhaustive": exhaustive, "replay": replay}[args.mode](args)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
 

@@ -138,6 +138,27 @@ def test_efficiency_and_seconds_per_micro_batch_are_fitted_over_the_trials():
     assert calib.micro_s[key] == MICRO_S["cpu"] and calib.efficiency[key] > 0
 
 
+def test_on_a_gpu_the_host_time_per_micro_batch_is_a_floor_that_trials_measure():
+    """On a GPU a micro-batch takes about the larger of its matmuls and the host's issuing of its kernels (a smooth
+    maximum, inverted exactly by gpu_seconds); two trials 8x apart in micro-batches give back the efficiency and the
+    host's seconds they were made with, FP8's trials counting FP8_HOST times the host's time."""
+    from holotrain.plan.cost import Calibration, fit_compute, gpu_seconds, micro_time
+    from holotrain.precision.lever import FP8_HOST
+
+    assert micro_time(0.1, 0.0, "cuda") == pytest.approx(0.1) and micro_time(0.1, 0.05, "cpu") == pytest.approx(0.15)
+    assert 0.1 < micro_time(0.1, 0.05, "cuda") < 0.15
+    assert gpu_seconds(micro_time(0.1, 0.05, "cuda"), 0.05, "cuda") == pytest.approx(0.1)
+    key, eff, host = ("cuda", True), 0.8, 0.05
+    for factor in (1.0, FP8_HOST):
+        calib = Calibration()
+        for micros in (1, 8):
+            work = 0.24  # the step's matmul seconds at the full GEMM rate
+            measured = micros * micro_time(work / eff / micros, host * factor, "cuda")
+            fit_compute(calib, key, work, micros, measured, factor, prior_host_s=0.01)
+        assert calib.efficiency[key] == pytest.approx(eff, rel=1e-4)
+        assert calib.micro_s[key] == pytest.approx(host, rel=1e-4)
+
+
 def test_a_trial_that_waited_for_data_sets_the_loader_rate_and_the_plan_raises_data_workers():
     """A trial whose steps waited for the data plane: its loaders' rate is measured from it, the compute terms are
     fitted to the step without the wait, and a setting the plane cannot keep up with is predicted at the plane's

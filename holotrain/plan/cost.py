@@ -32,18 +32,28 @@ import numpy as np
 import torch
 
 from holotrain.memory.activation_checkpointing import recompute_share
-from holotrain.memory.offload.cost import exposed_cpu_step
+from holotrain.memory.offload.cost import ADAMW_IN_TRAINING, exposed_cpu_step
 from holotrain.memory.plan import Plan, plan_memory
 from holotrain.model import flops_per_token
-from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
-from holotrain.precision.lever import matmul_time
+from holotrain.parallel.cost import (
+    fsdp_bytes_per_step,
+    tp_activation_share,
+    tp_bytes_per_step,
+)
+from holotrain.precision.lever import FP8_HOST, matmul_time
 from holotrain.train.checkpointer import save_blocking_s
 from holotrain.train.resolve import model_args
 
 # Priors until a trial measures them. The GEMM efficiency: the share of the machine's GEMM rate a whole step
 # reaches (the 1.4b compiled on an H200: 555 of 658 TFLOP/s sustained); eager steps launch more, smaller kernels.
 EFFICIENCY = {("cuda", True): 0.84, ("cuda", False): 0.70, ("cpu", True): 0.5, ("cpu", False): 0.5}
-MICRO_S = {"cuda": 0.004, "cpu": 0.002}  # fixed seconds per micro-batch
+# The host's seconds to issue one micro-batch's kernels, per block: on an H200, compiled, 2.3 ms with the 125m and
+# with the 1.4b alike, at micro-batches small enough for it to set the pace (bench/RESULTS.md); eager issues several
+# times more (not measured). A GPU runs one micro-batch while the host issues the next, so a micro-batch takes about
+# the larger of the two (micro_time); on a CPU the same cores do both, and a micro-batch adds MICRO_S.
+HOST_S_PER_BLOCK = {("cuda", True): 2.3e-3, ("cuda", False): 7e-3}
+MICRO_S = {"cpu": 0.002}
+_OVERLAP_P = 2.5  # the smooth maximum's exponent: fitted to the 1.4b at micro-batches 1-8 on an H200
 # Bytes per second a rank moves in collectives between the ranks of one node: NVLink on H100/H200 (the all-gather
 # bus bandwidth measured on the H200s: 222 GB/s); gloo over loopback on a CPU. Trials calibrate it.
 LINK_BYTES_S = {"cuda": 222e9, "cpu": 1e9}
@@ -82,9 +92,9 @@ class Calibration:
     """What trials measured, as corrections of the priors."""
 
     efficiency: dict = field(default_factory=dict)  # (device, compiled) -> measured GEMM efficiency
-    micro_s: dict = field(default_factory=dict)  # (device, compiled) -> measured seconds per micro-batch
+    micro_s: dict = field(default_factory=dict)  # (device, compiled) -> measured host seconds per micro-batch (bf16)
     # (device, compiled) -> [(the step's matmul seconds at the full GEMM rate, micro-batches, measured seconds less
-    # the other phases)]: the trials that efficiency and micro_s are fitted to
+    # the other phases, the host time's factor)]: the trials that efficiency and micro_s are fitted to
     steps: dict = field(default_factory=dict)
     adamw_params_s: float | None = None  # measured offload CPU rate
     fp8_gain: float | None = None  # measured step-time gain of FP8, or the GEMM probe's prediction
@@ -109,6 +119,7 @@ class Prediction:
     save_s: float = 0.0  # what one checkpoint save blocks for
     ranks: int = 1  # processes (GPUs) of the step: MFU is per GPU
     memory: dict[str, float] = field(default_factory=dict)  # component -> bytes (GPU, or host on a CPU)
+    host_s: float = 0.0  # the host's seconds per micro-batch (bf16's: FP8's are FP8_HOST times more)
 
     @property
     def step_s(self) -> float:
@@ -165,7 +176,10 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     key = (machine.device, t.compile)
     eff = calib.efficiency.get(key, EFFICIENCY[key])
     compute = matmul_time(body / ranks / (machine.gemm_flops * eff), t.fp8, calib.fp8_gain)
-    phases = {"compute": compute, "micro": calib.micro_s.get(key, MICRO_S[machine.device]) * accum}
+    host = host_seconds(calib, key, m.n_layers)
+    # "micro": what issuing the micro-batches adds to their matmuls.
+    phases = {"compute": compute,
+              "micro": micro_time(compute / accum, host * host_factor(t.fp8), machine.device) * accum - compute}
     if ranks > 1:
         link = calib.link_bytes_s or LINK_BYTES_S[machine.device]
         # TP's collectives without overlap are exposed; FSDP2's hide behind compute but for the first gather.
@@ -174,7 +188,8 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
         phases["fsdp"] = fsdp / (m.n_layers + 1) + max(0.0, fsdp - compute)
     offloaded = plan.n_offloaded if cfg.memory.offload else 0
     if offloaded:
-        phases["offload"] = exposed_cpu_step(offloaded, calib.adamw_params_s or machine.adamw_params_s,
+        adamw = calib.adamw_params_s or machine.adamw_params_s * ADAMW_IN_TRAINING
+        phases["offload"] = exposed_cpu_step(offloaded, adamw,
                                              compute / 3, compute * 2 / 3, t.grad_clip > 0,
                                              m.n_layers + 2) * (calib.offload_scale or 1.0)
     save_s = save_blocking_s((plan.n_params - offloaded) // ranks, bool(offloaded),
@@ -188,25 +203,65 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     memory = plan.gpu if machine.device == "cuda" else plan.host
     return Prediction(plan.gpu_need if machine.device == "cuda" else None, plan.host_need, not why, "; ".join(why),
                       phases, tokens, flops, machine.peak_flops, calib.power_w or machine.power_w, offloaded,
-                      save_s, ranks, dict(memory))
+                      save_s, ranks, dict(memory), host)
 
 
-def fit_compute(calib: Calibration, key: tuple, work_s: float, micros: int, measured_s: float) -> None:
+def host_seconds(calib: Calibration, key: tuple, n_layers: int) -> float:
+    """The host's seconds per micro-batch (bf16) for `key` = (device, compiled): measured, or the prior."""
+    if key in calib.micro_s:
+        return calib.micro_s[key]
+    return HOST_S_PER_BLOCK[key] * n_layers if key[0] == "cuda" else MICRO_S[key[0]]
+
+
+def host_factor(fp8: str) -> float:
+    return FP8_HOST if fp8 != "none" else 1.0
+
+
+def micro_time(gpu_s, host_s, device: str):
+    """One micro-batch's seconds from its matmuls' and its host's: the smooth maximum on a GPU (the host issues the
+    next micro-batch while the GPU runs this one), the sum on a CPU. Elementwise on numpy arrays too."""
+    if device == "cuda":
+        return (gpu_s ** _OVERLAP_P + host_s ** _OVERLAP_P) ** (1 / _OVERLAP_P)
+    return gpu_s + host_s
+
+
+def gpu_seconds(measured_s, host_s, device: str):
+    """The inverse of micro_time: the matmul seconds of a micro-batch that took `measured_s`."""
+    if device == "cuda":
+        return np.maximum(0.0, measured_s ** _OVERLAP_P - host_s ** _OVERLAP_P) ** (1 / _OVERLAP_P)
+    return np.maximum(0.0, measured_s - host_s)
+
+
+def fit_compute(calib: Calibration, key: tuple, work_s: float, micros: int, measured_s: float,
+                host_factor: float = 1.0, prior_host_s: float | None = None) -> None:
     """Adds a trial (its matmul seconds at the full GEMM rate, its micro-batches per step, its step time less the
-    other phases) and refits the GEMM efficiency of `key` = (device, compiled) over all of them, by least squares;
-    with the seconds per micro-batch too once the trials' micro-batches per step differ by 4x or more (closer, the
-    difference of two step times is mostly noise), else that stays as it was."""
+    other phases, its host time's factor: FP8_HOST with FP8) and refits `key` = (device, compiled) over all of them:
+    the GEMM efficiency by least squares, for the host's seconds per micro-batch that fit the trials best (a golden-
+    section search); that is fitted only once the trials' micro-batches per step differ by 4x or more (closer, the
+    difference of two step times is mostly noise), and kept as it was where the best fit would be none at all."""
     obs = calib.steps.setdefault(key, [])
-    obs.append((work_s, micros, measured_s))
-    w, n, y = (np.array(column, dtype=np.float64) for column in zip(*obs))
-    micro_s = calib.micro_s.get(key, MICRO_S[key[0]])
+    obs.append((work_s, micros, measured_s, host_factor))
+    w, n, y, f = (np.array(column, dtype=np.float64) for column in zip(*obs))
+    device = key[0]
+
+    def efficiency_for(host: float) -> float:
+        g = n * gpu_seconds(y / n, host * f, device)  # the matmuls' measured seconds, given the host's
+        return float(g @ w / (w @ w))  # 1 / efficiency
+
+    def misfit(host: float) -> float:
+        return float((((n * micro_time(w / n * efficiency_for(host), host * f, device)) / y - 1) ** 2).sum())
+
+    host = calib.micro_s.get(key, MICRO_S.get(device, 0.0) if prior_host_s is None else prior_host_s)
     if n.max() >= 4 * n.min():
-        (inv_eff, per_micro), *_ = np.linalg.lstsq(np.stack([w, n], axis=1), y, rcond=None)
-        if inv_eff > 0 and per_micro >= 0:
-            micro_s = float(per_micro)
-    inv_eff = float(w @ (y - n * micro_s) / (w @ w))  # 1 / efficiency, with micro_s held
+        lo, hi = 0.0, float((y / n / f).min())
+        for _ in range(80):
+            a, b = lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618
+            lo, hi = (lo, b) if misfit(a) <= misfit(b) else (a, hi)
+        if lo > 1e-9:  # else the best fit is no host time at all: noise, keep the one it had
+            host = (lo + hi) / 2
+    inv_eff = efficiency_for(host)
     if inv_eff > 0:
-        calib.efficiency[key], calib.micro_s[key] = 1 / inv_eff, micro_s
+        calib.efficiency[key], calib.micro_s[key] = 1 / inv_eff, host
 
 
 def young_daly_steps(blocking_s: float, mtbf_hours: float, step_s: float) -> int:

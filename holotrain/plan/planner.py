@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
-from holotrain.model import Llama
 from holotrain.memory.plan import usable_cores
+from holotrain.model import Llama
 from holotrain.plan.cost import (
     EFFICIENCY,
     LINK_BYTES_S,
@@ -32,6 +32,8 @@ from holotrain.plan.cost import (
     Machine,
     Prediction,
     fit_compute,
+    gpu_seconds,
+    host_factor,
     predict,
     with_settings,
     young_daly_steps,
@@ -153,9 +155,9 @@ def _others(p: Prediction, *skip: str) -> float:
 def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> None:
     """Folds a trial's measurements into the calibration. With offload: the CPU AdamW rate from its CPU step, and
     how much of that step was exposed against the model's overlap rule (its step time less the other phases as
-    predicted). Without: the GEMM efficiency and the seconds per micro-batch of its (device, compiled), fitted over
-    all its trials (cost.fit_compute), or FP8's gain where the bf16 efficiency is known already, from the step time
-    less the other phases as predicted."""
+    predicted). Without: the GEMM efficiency and the host's seconds per micro-batch of its (device, compiled),
+    fitted over all its trials (cost.fit_compute), or FP8's gain where bf16 trials measured the efficiency already
+    and the trial's matmuls outlast its host time."""
     m = c.measured
     if m.step_s is None:
         return
@@ -181,15 +183,21 @@ def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> 
         if exposed > 0:
             calib.link_bytes_s = (calib.link_bytes_s or LINK_BYTES_S[machine.device]) * comm / exposed
         return
-    compute = step_s - _others(p, "compute")
-    if compute <= 0:
+    fp8 = c.settings.get("training.fp8", "none")
+    # The matmuls' measured seconds: the step less the other phases, less what issuing its micro-batches added.
+    measured = step_s - _others(p, "compute", "micro")
+    if measured <= 0:
         return
-    if c.settings.get("training.fp8", "none") != "none" and key in calib.efficiency:
-        calib.fp8_gain = (calib.fp8_gain or 1.0) * p.phases["compute"] / compute
-        return
+    host = p.host_s * host_factor(fp8)
+    if fp8 != "none" and any(factor == 1.0 for *_, factor in calib.steps.get(key, [])):
+        # bf16 trials set the efficiency: this one measures FP8's gain, where its matmuls, not the host, set its pace.
+        matmuls = gpu_seconds(measured / c.accum, host, machine.device)
+        if matmuls >= host:
+            calib.fp8_gain = (calib.fp8_gain or 1.0) * p.phases["compute"] / (matmuls * c.accum)
+            return
     # The step's matmul seconds at the full GEMM rate (FP8's over its gain, before any bf16 trial).
     work = p.phases["compute"] * calib.efficiency.get(key, EFFICIENCY[key])
-    fit_compute(calib, key, work, c.accum, step_s - _others(p, "compute", "micro"))
+    fit_compute(calib, key, work, c.accum, measured, host_factor(fp8), p.host_s)
 
 
 @dataclass
@@ -205,9 +213,11 @@ class PlanResult:
     data_workers: int | None = None  # data.workers raised: the loaders the chosen setting needs
 
 
-def prepare(config: str | None, overrides: list[str], machine: Machine | None = None):
+def prepare(config: str | None, overrides: list[str], machine: Machine | None = None,
+            fp8_gain: float | None = None):
     """What predicting the job takes: (its resolved config, its model on the meta device, this machine's rates
-    (measured, or cached), the calibration before any trial: FP8's gain from the GEMM probe where there is FP8)."""
+    (measured, or cached), the calibration before any trial: FP8's gain from the GEMM probe where there is FP8, or
+    as given)."""
     cfg = job_config(config, overrides)
     device = plan_device(cfg)
     if machine is None:
@@ -217,8 +227,8 @@ def prepare(config: str | None, overrides: list[str], machine: Machine | None = 
         machine = measure_machine(device, cfg.hw.gpu_memory_gb, cache_dir(cfg.data.cache_dir))
     with torch.device("meta"):
         model = Llama(model_args(cfg))
-    calib = Calibration()
-    if machine.device == "cuda" and machine.fp8:
+    calib = Calibration(fp8_gain=fp8_gain)
+    if fp8_gain is None and machine.device == "cuda" and machine.fp8:
         from holotrain.precision.lever import fp8_shapes
         from holotrain.precision.probe import predict as fp8_predict
 

@@ -27,6 +27,9 @@ RECIPES = ("tensorwise", "rowwise")
 # (float8 linears save their inputs cast) and no bf16 casts of their weights: fitted to the 1.4b's peaks on an H200
 # at micro-batches 8 and 16, whole and chunked loss (memory/plan.py: activations).
 FP8_ACTIVATIONS = 0.72
+# The host issues this many times bf16's kernels per micro-batch (the casts and their scales): the 1.4b at micro-batch
+# 1 on an H200, compiled (plan/cost.py: host_seconds).
+FP8_HOST = 1.45
 
 
 def matmul_time(bf16_s: float, recipe: str, gain: float | None) -> float:

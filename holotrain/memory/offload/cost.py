@@ -8,6 +8,11 @@ first unit's share (the first unit the forward needs is the last one updated bef
 
 from __future__ import annotations
 
+# The share of the machine's probed AdamW rate (hw probe: the kernel alone) that a training step's CPU update reaches:
+# it shares the host with the data plane, the trainer's threads and the transfers. Measured through `holotrain train`
+# on an H200's host: 0.83 for the 7B, 0.67-0.78 for the 1.4b (bench/RESULTS.md). Trials measure the job's own.
+ADAMW_IN_TRAINING = 0.8
+
 
 def exposed_cpu_step(n_offloaded: int, adamw_params_s: float, forward_s: float, backward_s: float, clipped: bool,
                      units: int) -> float:
