@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holotrain.config import batch_layout
 from holotrain.plan.cost import Calibration, Machine, Prediction, predict, with_settings
-from holotrain.plan.planner import Candidate, calibrate, prediction_dict, prepare
+from holotrain.plan.planner import PLANNED_KEYS, Candidate, calibrate, prediction_dict, prepare
 from holotrain.plan.trials import Measured, as_override, run_trial
 
 _AC_NONE = {"memory.activation_checkpointing": "none"}
@@ -71,16 +71,12 @@ POINTS = {
 }
 
 
-# The settings the planner's candidates always carry: a point's own settings are completed from its config, so
-# that it is labelled, predicted and calibrated as the planner's candidate of the same run would be.
-_PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing", "memory.offload",
-                 "memory.offload_ratio", "training.compile", "memory.loss_chunk_tokens", "training.fp8")
-
-
 def _candidate(cfg, settings: dict) -> Candidate:
     full = with_settings(cfg, settings)
     micro, accum = batch_layout(full, 1)
-    complete = {k: getattr(getattr(full, k.split(".")[0]), k.split(".")[1]) for k in _PLANNED_KEYS}
+    # Completed from its config: labelled, predicted and calibrated as the planner's one-process candidate would be.
+    complete = {k: getattr(getattr(full, k.split(".")[0]), k.split(".")[1]) for k in PLANNED_KEYS
+                if not k.startswith("parallel.")}
     return Candidate({**complete, **settings}, micro, accum)
 
 

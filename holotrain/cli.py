@@ -67,7 +67,9 @@ def _planned(config: str | None, overrides: list[str], plan: str) -> list[str]:
 
 
 def _plan(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="holotrain plan")
+    parser = argparse.ArgumentParser(prog="holotrain plan", epilog="--section.key=value overrides the job's config; "
+                                     "a setting the plan chooses (micro-batch, checkpointing, offload and its ratio, "
+                                     "loss chunking, compile, fp8, tp) given this way is kept, and the rest chosen")
     parser.add_argument("--config", help="TOML config file, or a shipped config's name (default: the embedded tiny "
                         "model)")
     parser.add_argument("--out", help="where plan.toml and plan.json go (default: the job's run directory)")

@@ -159,6 +159,34 @@ def test_on_a_gpu_the_host_time_per_micro_batch_is_a_floor_that_trials_measure()
         assert calib.micro_s[key] == pytest.approx(host, rel=1e-4)
 
 
+def test_settings_given_on_the_command_line_are_kept_by_the_plan():
+    """`--memory.offload=true` keeps offload and leaves its ratio to the plan; a held ratio binds only the settings
+    that offload; "auto" and a micro-batch of 0 are the plan's; a setting no candidate has is one clear error."""
+    from holotrain.plan.cost import Machine
+    from holotrain.plan.planner import _keeps, enumerate_candidates, held_settings, job_config
+
+    gpu = Machine("cuda", "H200", 141e9, 134e9, 120e9, 660e12, 989e12, 5e9, 45e9, 700.0, True)
+    args = ["--memory.offload=true", "--training.batch_size=16", "--memory.offload_ratio=auto"]
+    cfg = job_config("1.4b", args)
+    held = held_settings(cfg, args)
+    assert held == {"memory.offload": True}
+    kept = [c for c in enumerate_candidates(cfg, gpu) if _keeps(c, held)]
+    assert kept and all(c.settings["memory.offload"] for c in kept)
+    assert {c.settings["memory.offload_ratio"] for c in kept} == {0.25, 0.5, 0.75, 1.0}
+    args = ["--memory.offload_ratio=0.5", "--training.micro_batch_size=0"]
+    cfg = job_config("1.4b", args)
+    held = held_settings(cfg, args)
+    assert held == {"memory.offload_ratio": 0.5}
+    kept = [c for c in enumerate_candidates(cfg, gpu) if _keeps(c, held)]
+    assert {c.settings["memory.offload_ratio"] for c in kept if c.settings["memory.offload"]} == {0.5}
+    assert any(not c.settings["memory.offload"] for c in kept)
+
+
+def test_a_held_setting_no_candidate_has_is_one_error(tmp_path):
+    proc = run_cli_here("plan", "--out", tmp_path / "plan", "--memory.loss_chunk_tokens=4096")
+    assert proc.returncode == 2 and "no setting of this job keeps memory.loss_chunk_tokens=4096" in proc.stderr
+
+
 def test_a_trial_that_waited_for_data_sets_the_loader_rate_and_the_plan_raises_data_workers():
     """A trial whose steps waited for the data plane: its loaders' rate is measured from it, the compute terms are
     fitted to the step without the wait, and a setting the plane cannot keep up with is predicted at the plane's

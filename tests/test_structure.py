@@ -132,7 +132,7 @@ def test_wheel_ships_configs_and_native_sources(tmp_path):
     wheel = next(tmp_path.glob("holotrain-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {Path(n).stem for n in names if n.startswith("holotrain/configs/") and n.endswith(".toml")}
-    assert {"tiny", "125m", "1.4b", "1.4b-tp2", "offload"} <= shipped
+    assert {"tiny", "125m", "1.4b", "1.4b-tp2", "offload", "14b"} <= shipped
     assert any(n.startswith("holotrain/memory/offload/csrc/") and n.endswith(".cpp") for n in names)
     for path in REPO.joinpath("holotrain/configs").glob("*.toml"):
         assert f"holotrain/configs/{path.name}" in names

@@ -45,6 +45,7 @@ PRESETS: dict[str, LlamaArgs] = {
     "125m": LlamaArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
     "1.4b": LlamaArgs(dim=2048, n_layers=24, n_heads=16, n_kv_heads=16, ffn_dim=5632, vocab_size=32000),
     "7b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000),
+    "14b": LlamaArgs(dim=5120, n_layers=44, n_heads=40, n_kv_heads=40, ffn_dim=13824, vocab_size=32000),
 }
 
 

@@ -3,14 +3,16 @@ tokens/s, MFU and J/token, from the model's shapes and this machine's measured r
 terms; this module sums them.
 
 Memory is the memory plan's (memory/plan.py: weights, gradients, optimizer state, activations with FP8's share,
-pinned buffers). Time is summed from phases:
+pinned buffers, at the step's peak moment). Time is summed from phases:
 
   compute     the step's matmul FLOPs at this machine's measured GEMM rate, times an efficiency that trials
               calibrate (the rest of a step: attention kernels, norms, launches); activation checkpointing adds
               its recomputation (memory/activation_checkpointing.py: recompute_share), FP8 divides by its
               measured gain (precision/lever.py: matmul_time)
-  micro       a fixed cost per micro-batch (launches, Python), fitted with the efficiency once two trials'
-              micro-batch counts are 4x apart (fit_compute)
+  micro       what issuing the micro-batches adds: on a GPU the host issues one micro-batch's kernels while the
+              GPU runs the one before (a smooth maximum of the two, micro_time), on a CPU a fixed cost each; the
+              host's time is fitted with the efficiency once two trials' micro-batch counts are 4x apart
+              (fit_compute)
   offload     the CPU step's exposed part by the engine's overlap rule (memory/offload/cost.py), its measured
               share calibrated by trials
   tp, fsdp    with several ranks: tensor parallelism's exposed collectives and FSDP2's unhidden part, the bytes

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
+from holotrain.config import Config, ConfigError, batch_layout, load_config, parse_overrides, resolve
 from holotrain.memory.plan import usable_cores
 from holotrain.model import Llama
 from holotrain.plan.cost import (
@@ -99,6 +99,31 @@ def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
     m = cfg.model
     return [tp for tp in range(1, ranks + 1) if ranks % tp == 0 and all(
         x % tp == 0 for x in (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, cfg.data.seq_len))]
+
+
+# The settings a plan chooses (a candidate's keys).
+PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing", "memory.offload",
+                "memory.offload_ratio", "training.compile", "memory.loss_chunk_tokens", "training.fp8", "parallel.tp",
+                "parallel.tp_overlap")
+
+
+def held_settings(cfg: Config, overrides: list[str]) -> dict:
+    """The settings a plan chooses that the command line sets: the plan keeps them and chooses the rest (`holotrain
+    plan --config 1.4b --memory.offload=true` chooses the offload ratio). "auto", and a micro-batch of 0, are left
+    to the plan."""
+    held = {}
+    for section, key, _ in parse_overrides(overrides):
+        name = f"{section}.{key}"
+        value = getattr(getattr(cfg, section), key, None)
+        if name in PLANNED_KEYS and value != "auto" and not (name == "training.micro_batch_size" and value == 0):
+            held[name] = value
+    return held
+
+
+def _keeps(c: Candidate, held: dict) -> bool:
+    # An offload ratio is held for the candidates that offload.
+    return all(c.settings.get(k, v) == v for k, v in held.items()
+               if k != "memory.offload_ratio" or c.settings.get("memory.offload"))
 
 
 def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[Candidate]:
@@ -248,6 +273,12 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
     candidates = enumerate_candidates(cfg, machine, ranks)
     if not candidates:
         raise ConfigError(f"training.batch_size = {cfg.training.batch_size} does not split over {ranks} ranks")
+    held = held_settings(cfg, overrides)
+    candidates = [c for c in candidates if _keeps(c, held)]
+    if not candidates:
+        given = ", ".join(f"{k}={v}" for k, v in held.items())
+        raise ConfigError(f"no setting of this job keeps {given} on this machine ({machine.name}): leave one of them "
+                          "to the plan")
     score = _objective(cfg)
 
     def repredict(c: Candidate) -> Prediction:

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The planner's choice on one H200 for the cases beyond the 1.4b, through the real commands, one part per call
+# (each fits the device's 10-minute call):
+#   b      the 7B (configs/offload.toml) under hw.gpu_memory_gb=24: `holotrain plan` timed, then every fitting
+#          compiled setting trained (bench/plan.py exhaustive); WHERE narrows it further (k=v,k=v)
+#   c      the 14B (configs/14b.toml): the same
+#   off16  the 1.4b at B=16 with memory.offload=true held, so the plan chooses the ratio: the planned setting and
+#          the same job without offload, STEPS steps each (the target: >= 0.90x of no offload)
+# Usage (repo root, on the GPU machine): bash bench/gpu_plan_cases.sh OUT_DIR PART [WHERE] [STEPS]
+set -uo pipefail
+out=${1:?output directory}; part=${2:?b, c or off16}; where=${3:-}; steps=${4:-40}
+export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
+filters=(--where training.compile=true)
+for w in ${where//,/ }; do filters+=(--where "$w"); done
+quiet=(--profile.progress=false --profile.tensorboard=false --profile.report=false)
+case $part in
+  b) python3 bench/plan.py exhaustive --config offload "${filters[@]}" --out "$out/b" --hw.gpu_memory_gb=24 ;;
+  c) python3 bench/plan.py exhaustive --config 14b "${filters[@]}" --out "$out/c" ;;
+  off16)
+    job=(--config 1.4b --training.batch_size=16)
+    s=$SECONDS
+    python3 -m holotrain.cli plan "${job[@]}" --memory.offload=true --out "$out/off16-plan" "${quiet[@]}" \
+      > "$out/off16-plan.log" 2>&1
+    echo "== plan: rc $? in $(( SECONDS - s )) s"; grep -v -i warn "$out/off16-plan.log" | tail -4
+    for run in planned nooffload; do
+      extra=(); [ $run = planned ] && extra=(--plan "$out/off16-plan/plan.toml")
+      python3 -m holotrain.cli train "${job[@]}" "${extra[@]}" "${quiet[@]}" --training.steps="$steps" \
+        --checkpoint.save_final=false --job.run_dir=/tmp/off16-$run > "$out/off16-$run.log" 2>&1
+      echo "== $run: rc $?"; cp /tmp/off16-$run/metrics.jsonl "$out/off16-$run.jsonl"; rm -rf /tmp/off16-$run
+    done
+    python3 - "$out" <<'PY'
+import sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+from checkpoint_summary import rows, training_rate
+out = Path(sys.argv[1])
+rates = {name: training_rate(rows(out, name), 10) for name in ("off16-planned", "off16-nooffload")}
+print(f"tokens/s over steps 11+: planned (offload held) {rates['off16-planned']:,.0f}, no offload "
+      f"{rates['off16-nooffload']:,.0f}: {rates['off16-planned'] / rates['off16-nooffload']:.3f}x")
+PY
+    ;;
+  *) echo "unknown part $part (b, c or off16)"; exit 2 ;;
+esac
