@@ -4,8 +4,9 @@
 #   b      the 7B (configs/offload.toml) under hw.gpu_memory_gb=24: `holotrain plan` timed, then every fitting
 #          compiled setting trained (bench/plan.py exhaustive); WHERE narrows it further (k=v,k=v)
 #   c      the 14B (configs/14b.toml): the same
-#   off16  the 1.4b at B=16 with memory.offload=true held, so the plan chooses the ratio: the planned setting and
-#          the same job without offload, STEPS steps each (the target: >= 0.90x of no offload)
+#   off16  the 1.4b at B=16 with memory.offload=true held, so the plan chooses the ratio: the planned setting, and
+#          the same setting with offload switched off (the command line wins over the plan), STEPS steps each (the
+#          target: >= 0.90x of no offload)
 # Usage (repo root, on the GPU machine): bash bench/gpu_plan_cases.sh OUT_DIR PART [WHERE] [STEPS]
 set -uo pipefail
 out=${1:?output directory}; part=${2:?b, c or off16}; where=${3:-}; steps=${4:-40}
@@ -23,7 +24,7 @@ case $part in
       > "$out/off16-plan.log" 2>&1
     echo "== plan: rc $? in $(( SECONDS - s )) s"; grep -v -i warn "$out/off16-plan.log" | tail -4
     for run in planned nooffload; do
-      extra=(); [ $run = planned ] && extra=(--plan "$out/off16-plan/plan.toml")
+      extra=(--plan "$out/off16-plan/plan.toml"); [ $run = nooffload ] && extra+=(--memory.offload=false)
       python3 -m holotrain.cli train "${job[@]}" "${extra[@]}" "${quiet[@]}" --training.steps="$steps" \
         --checkpoint.save_final=false --job.run_dir=/tmp/off16-$run > "$out/off16-$run.log" 2>&1
       echo "== $run: rc $?"; cp /tmp/off16-$run/metrics.jsonl "$out/off16-$run.jsonl"; rm -rf /tmp/off16-$run

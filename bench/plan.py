@@ -123,12 +123,14 @@ class _Checker:
                "measured_before": measured_before, "machine": dataclasses.asdict(machine), "fp8_gain": probed_gain,
                "prior": prediction_dict(c.prior), "calibrated": prediction_dict(c.predicted),
                "measured": dataclasses.asdict(m), "memory_error": _error(gb / 1e9, m.peak_gb),
+               "host_error": _error(c.predicted.host_bytes / 1e9, m.host_gb),
                "step_error_prior": _error(c.prior.step_s, m.step_s),
                "step_error_calibrated": _error(c.predicted.step_s, m.step_s)}
         if not m.error:
             calibrate(calib, c, machine, lambda cand: self._repredict(config, cand))
             self.jobs[config][-1] += 1
-        print(f"    memory {gb / 1e9:.1f} GB predicted / {m.peak_gb or 0:.1f} measured; step "
+        host = f"; host {c.predicted.host_bytes / 1e9:.1f} / {m.host_gb:.1f} GB" if m.host_gb else ""
+        print(f"    memory {gb / 1e9:.1f} GB predicted / {m.peak_gb or 0:.1f} measured{host}; step "
               f"{c.prior.step_s:.3f} s prior / {c.predicted.step_s:.3f} calibrated / {m.step_s or 0:.3f} measured"
               f"{'  ' + m.error if m.error else ''}", flush=True)
         self.rows.append(row)

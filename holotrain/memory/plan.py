@@ -283,7 +283,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
         at_loss = (grads if accum > 1 else 0.0) + acts.peak
         at_end = grads + acts.recompute
         if at_loss >= at_end:
-            if accum > 1:
+            if accum > 1 and grads:
                 gpu["fp32 gradients (accumulating)"] = grads
             gpu["activations (estimate)"] = acts.peak
         else:

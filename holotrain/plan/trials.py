@@ -26,6 +26,7 @@ class Measured:
     error: str  # "" when the trial ran
     data_wait_s: float | None = None  # mean wait for the data plane over the timed steps
     loaders: int | None = None  # the data plane's loader processes at the end
+    host_gb: float | None = None  # the largest host RSS the training process logged
 
 
 def as_override(name: str, value) -> str:
@@ -87,4 +88,5 @@ def run_trial(config: str | None, overrides: list[str], settings: dict, steps: i
                     _median([r.get("offload.speculated") for r in timed]),
                     rows[-1].get("energy.run_j_per_token") or _median([r.get("energy.j_per_token") for r in timed]),
                     "", _mean([r.get("time.data_wait") for r in timed]),
-                    sum((rows[-1].get("data.workers") or {}).values()) or None)
+                    sum((rows[-1].get("data.workers") or {}).values()) or None,
+                    max((r["mem.host_rss_gb"] for r in rows if r.get("mem.host_rss_gb")), default=None))
