@@ -167,7 +167,7 @@ def loss_chunk_tokens(cfg) -> int:
 SAVED_BYTES = 1.30  # per value a block keeps (7*dim + 2*ffn a token) and element byte: with its backward's buffers
 WEIGHT_CAST_BYTES = 2  # per weight of a block that is not recomputed: the bf16 cast of its fp32 weight, kept
 LOSS_BYTES = 2.3  # per token and vocabulary entry, the compiled whole loss: bf16 logits kept for backward
-EAGER_LOSS_BYTES = 10  # the same in eager mode: bf16 logits, their fp32 upcast and its gradient
+EAGER_LOSS_BYTES = 10  # the same in eager mode (or fp32): the logits, their fp32 upcast and its gradient
 PIECE_BYTES = 7  # per token and vocabulary entry of one piece of the chunked loss (model/head.py), in fp32
 
 
@@ -204,10 +204,6 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int) -> Activat
     else:
         loss = tokens * m.vocab_size * (LOSS_BYTES if compiled and elem_bytes == 2 else EAGER_LOSS_BYTES)
     return Activations(saved, loss, (per_block * fp8) if recomputed else 0.0)
-
-
-def activation_bytes(cfg, micro: int, elem_bytes: int, block_weights: int = 0) -> int:
-    return int(activations(cfg, micro, elem_bytes, block_weights).peak)
 
 
 @dataclass
