@@ -209,14 +209,14 @@ def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> 
             calib.link_bytes_s = (calib.link_bytes_s or LINK_BYTES_S[machine.device]) * comm / exposed
         return
     fp8 = c.settings.get("training.fp8", "none")
-    # The matmuls' measured seconds: the step less the other phases, less what issuing its micro-batches added.
+    # What the matmuls and the issuing of their micro-batches took: the step less the other phases.
     measured = step_s - _others(p, "compute", "micro")
     if measured <= 0:
         return
     host = p.host_s * host_factor(fp8)
     if fp8 != "none" and any(factor == 1.0 for *_, factor in calib.steps.get(key, [])):
         # bf16 trials set the efficiency: this one measures FP8's gain, where its matmuls, not the host, set its pace.
-        matmuls = gpu_seconds(measured / c.accum, host, machine.device)
+        matmuls = gpu_seconds(measured / c.accum, host, machine.device)  # per micro-batch
         if matmuls >= host:
             calib.fp8_gain = (calib.fp8_gain or 1.0) * p.phases["compute"] / (matmuls * c.accum)
             return
