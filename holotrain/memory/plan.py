@@ -185,14 +185,18 @@ class Activations:
         return self.saved + self.loss + self.recompute
 
 
-def activations(cfg, micro: int, elem_bytes: int, block_weights: int) -> Activations:
+def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_probs: bool = False) -> Activations:
     """Estimate of one micro-batch's activations. A block keeps about 7*dim + 2*ffn values per token (SAVED_BYTES
     with its backward's buffers) and the bf16 casts of its weights (`block_weights`: the device-resident fp32
     weights of all blocks; a bf16 working copy needs no cast); a checkpointed block keeps only its input and one
-    at a time is recomputed. FP8 blocks keep FP8_ACTIVATIONS of that and no weight casts."""
+    at a time is recomputed. FP8 blocks keep FP8_ACTIVATIONS of that and no weight casts. With `attention_probs`
+    (a CPU, where the attention is not one fused kernel) a block also keeps its attention's probabilities, heads x
+    seq_len values per token (the default job's host RSS on 2 cores: within 0.07 GB at six settings)."""
     m, compiled = cfg.model, cfg.training.compile
     tokens = micro * cfg.data.seq_len
     per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim) * SAVED_BYTES
+    if attention_probs:
+        per_block += tokens * elem_bytes * m.n_heads * cfg.data.seq_len
     recomputed = len(checkpointed_blocks(cfg.memory.activation_checkpointing, m.n_layers))
     kept = m.n_layers - recomputed
     fp8 = FP8_ACTIVATIONS if cfg.training.fp8 != "none" else 1.0
@@ -260,7 +264,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     local_ranks = local_ranks or world_size
     block_weights = sum(p.numel() for u in units if u.name.startswith("layers.") and u.name not in cpu_units
                         for _, p in u.params) * per_rank
-    acts = activations(cfg, micro, elem, block_weights)
+    acts = activations(cfg, micro, elem, block_weights, attention_probs=not cuda)
     gathered = 2 * biggest * elem if world_size > 1 else 0  # FSDP2 keeps about two blocks unsharded
 
     host_per_param = {"fp32 master": 4, "AdamW moments": 8, "gradient staging (pinned)" if cuda else "gradient staging": working}
@@ -271,7 +275,8 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     gpu: dict[str, float] = {}
     host: dict[str, float] = {}
     if cuda:
-        gpu["working weights of offloaded parameters"] = n_cpu * per_rank * (working if world_size == 1 else 8)
+        if n_cpu:
+            gpu["working weights of offloaded parameters"] = n_cpu * per_rank * (working if world_size == 1 else 8)
         gpu["fp32 weights and AdamW moments kept on the GPU"] = n_dev * per_rank * 12
         # The peak comes at one of two moments: at the loss, with every activation held (and the gradients of
         # the micro-batches before when they accumulate), or at the end of backward, with every gradient.
