@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The planner's choice on one H200 for the cases beyond the 1.4b, through the real commands, one part per call
 # (each fits the device's 10-minute call):
+#   a      the 1.4b: `holotrain plan` timed, then every setting one change away from the planned one
+#          (bench/plan.py exhaustive --neighbours: each other value of each key the plan chose)
 #   b      the 7B (configs/offload.toml) under hw.gpu_memory_gb=24: `holotrain plan` timed, then every fitting
 #          compiled setting trained (bench/plan.py exhaustive); WHERE narrows it further (k=v,k=v)
 #   c      the 14B (configs/14b.toml): the same
@@ -9,12 +11,13 @@
 #          target: >= 0.90x of no offload)
 # Usage (repo root, on the GPU machine): bash bench/gpu_plan_cases.sh OUT_DIR PART [WHERE] [STEPS]
 set -uo pipefail
-out=${1:?output directory}; part=${2:?b, c or off16}; where=${3:-}; steps=${4:-40}
+out=${1:?output directory}; part=${2:?a, b, c or off16}; where=${3:-}; steps=${4:-40}
 export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
 filters=(--where training.compile=true)
 for w in ${where//,/ }; do filters+=(--where "$w"); done
 quiet=(--profile.progress=false --profile.tensorboard=false --profile.report=false)
 case $part in
+  a) python3 bench/plan.py exhaustive --config 1.4b --neighbours --out "$out/a" ;;
   b) python3 bench/plan.py exhaustive --config offload "${filters[@]}" --out "$out/b" --hw.gpu_memory_gb=24 ;;
   c) python3 bench/plan.py exhaustive --config 14b "${filters[@]}" --out "$out/c" ;;
   off16)
@@ -40,5 +43,5 @@ print(f"tokens/s over steps 11+: planned (offload held) {rates['off16-planned']:
       f"{rates['off16-nooffload']:,.0f}: {rates['off16-planned'] / rates['off16-nooffload']:.3f}x")
 PY
     ;;
-  *) echo "unknown part $part (b, c or off16)"; exit 2 ;;
+  *) echo "unknown part $part (a, b, c or off16)"; exit 2 ;;
 esac

@@ -7,7 +7,8 @@ shipped config's clipping) in the same run.
               Peak memory (GPU; host RSS on a CPU) and step time, predicted against measured.
   exhaustive  `holotrain plan` on a job (timed, as a user runs it), then every candidate it found fitting trained
               for --steps steps: the planned setting's tokens/s against the best of them all. --where narrows the
-              candidates by their settings (section.key=value, repeatable) where the whole space would take too long.
+              candidates by their settings (section.key=value, repeatable) where the whole space would take too long;
+              --neighbours to those one change away from the planned setting.
               --repeats N measures each candidate N times, in rounds over all of them, and takes the median (the
               steps of one setting on a CPU vary by 10-15% from run to run).
 
@@ -193,6 +194,12 @@ def _matches(settings: dict, where: list[str]) -> bool:
     return True
 
 
+def _changes(a: dict, b: dict) -> int:
+    """How many keys two settings differ in; a ratio only counts between settings that offload."""
+    keys = [k for k in a if k != "memory.offload_ratio" or (a.get("memory.offload") and b.get("memory.offload"))]
+    return sum(a[k] != b.get(k) for k in keys)
+
+
 def exhaustive(args) -> dict:
     started = time.perf_counter()
     cmd = [sys.executable, "-m", "holotrain.cli", "plan", "--out", str(args.out / "plan")]
@@ -207,6 +214,9 @@ def exhaustive(args) -> dict:
           flush=True)
     fitting = [c for c in plan["candidates"] if c["predicted"]["fits"] and _matches(c["settings"], args.where)]
     chosen = next(c for c in plan["candidates"] if c["chosen"])
+    if args.neighbours:
+        # The settings one change away from the planned one: every other value of each key the plan chose.
+        fitting = [c for c in fitting if _changes(c["settings"], chosen["settings"]) == 1]
     if chosen not in fitting:
         fitting.insert(0, chosen)  # the chosen one is always measured beside the others
     # Each candidate --repeats times, in rounds over all of them (a machine's drift reaches every candidate alike);
@@ -226,7 +236,7 @@ def exhaustive(args) -> dict:
     best = max(rates, key=rates.get)
     planned = next(i for i, c in enumerate(fitting) if c["chosen"])
     return {"plan_seconds": round(plan_s, 1), "candidates_measured": len(rates), "repeats": args.repeats,
-            "where": args.where, "planned": fitting[planned]["label"], "planned_tokens_per_s": rates.get(planned),
+            "where": args.where, "neighbours": args.neighbours, "planned": fitting[planned]["label"], "planned_tokens_per_s": rates.get(planned),
             "best": fitting[best]["label"], "best_tokens_per_s": rates[best],
             "planned_over_best": (rates.get(planned) or 0) / rates[best],
             "spread_of_a_candidate": max((max(r) / min(r) - 1 for r in passes.values() if all(r) and len(r) > 1),
@@ -245,6 +255,9 @@ def main() -> None:
     parser.add_argument("--config", default=None, help="exhaustive: the job's config (default: the embedded one)")
     parser.add_argument("--where", action="append", default=[], help="exhaustive: section.key=value")
     parser.add_argument("--steps", type=int, default=8, help="steps per point (the later half is timed)")
+    parser.add_argument("--neighbours", action="store_true",
+                        help="exhaustive: only the settings one change away from the planned one (every other value "
+                             "of each key), where the whole space would take too long")
     parser.add_argument("--repeats", type=int, default=1, help="exhaustive: passes over the candidates (median)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--rows", type=Path, nargs="+", default=[], help="replay: rows.jsonl files, in order")
