@@ -275,10 +275,12 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
         raise ConfigError(f"training.batch_size = {cfg.training.batch_size} does not split over {ranks} ranks")
     held = held_settings(cfg, overrides)
     candidates = [c for c in candidates if _keeps(c, held)]
+    given = ", ".join(f"{k}={v}" for k, v in held.items())
     if not candidates:
-        given = ", ".join(f"{k}={v}" for k, v in held.items())
         raise ConfigError(f"no setting of this job keeps {given} on this machine ({machine.name}): leave one of them "
                           "to the plan")
+    if held:
+        log(f"holotrain: plan: keeps {given} (given on the command line) and chooses the rest")
     score = _objective(cfg)
 
     def repredict(c: Candidate) -> Prediction:
