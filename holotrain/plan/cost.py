@@ -37,11 +37,7 @@ from holotrain.memory.activation_checkpointing import recompute_share
 from holotrain.memory.offload.cost import ADAMW_IN_TRAINING, exposed_cpu_step
 from holotrain.memory.plan import Plan, plan_memory
 from holotrain.model import flops_per_token
-from holotrain.parallel.cost import (
-    fsdp_bytes_per_step,
-    tp_activation_share,
-    tp_bytes_per_step,
-)
+from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
 from holotrain.precision.lever import FP8_HOST, matmul_time
 from holotrain.train.checkpointer import save_blocking_s
 from holotrain.train.resolve import model_args
@@ -235,14 +231,14 @@ def gpu_seconds(measured_s, host_s, device: str):
 
 
 def fit_compute(calib: Calibration, key: tuple, work_s: float, micros: int, measured_s: float,
-                host_factor: float = 1.0, prior_host_s: float | None = None) -> None:
+                factor: float = 1.0, prior_host_s: float | None = None) -> None:
     """Adds a trial (its matmul seconds at the full GEMM rate, its micro-batches per step, its step time less the
     other phases, its host time's factor: FP8_HOST with FP8) and refits `key` = (device, compiled) over all of them:
     the GEMM efficiency by least squares, for the host's seconds per micro-batch that fit the trials best (a golden-
     section search); that is fitted only once the trials' micro-batches per step differ by 4x or more (closer, the
     difference of two step times is mostly noise), and kept as it was where the best fit would be none at all."""
     obs = calib.steps.setdefault(key, [])
-    obs.append((work_s, micros, measured_s, host_factor))
+    obs.append((work_s, micros, measured_s, factor))
     w, n, y, f = (np.array(column, dtype=np.float64) for column in zip(*obs))
     device = key[0]
 
