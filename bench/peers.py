@@ -136,7 +136,7 @@ def build_variant(name: str, a, device):
         # holotrain as the trainer runs it: its model, its levers, its optimizer and its step.
         # "holotrain-a-b" switches levers off or picks kernels, to show what each one gives.
         switches = set(name.split("-")[1:])
-        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune", "fp8"}
+        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune", "fp8", "fp8head"}
         if unknown:
             raise SystemExit(f"unknown holotrain switches {sorted(unknown)}")
         overrides = [
@@ -145,8 +145,10 @@ def build_variant(name: str, a, device):
         ]
         for kernel in switches & {"flash", "cudnn"}:
             overrides.append(f"--training.attention={kernel}")
-        if "fp8" in switches:
+        if switches & {"fp8", "fp8head"}:
             overrides.append("--training.fp8=tensorwise")
+        if "fp8head" in switches:  # the output head in FP8 too (training.fp8_skip empty)
+            overrides.append("--training.fp8_skip=")
         cfg = load_config(None, overrides)
         resolve(cfg, tokenizer_vocab=a.vocab_size)
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
