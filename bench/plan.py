@@ -99,7 +99,8 @@ class _Checker:
         self.jobs: dict = {}  # config -> [cfg, model, machine, calibration, FP8's probed gain, points so far]
         self.rows: list[dict] = []
 
-    def predict(self, config: str | None, settings: dict) -> Candidate:
+    def predict(self, config: str | None, settings: dict) -> tuple[Candidate, Prediction]:
+        """The point as a candidate, predicted with the job's calibration so far, and its prior prediction."""
         if config not in self.jobs:
             cfg, model, machine, calib = prepare(config, self.overrides, self.machine,
                                                  # a replayed job without FP8 points needs no probe
@@ -107,32 +108,32 @@ class _Checker:
             self.jobs[config] = [cfg, model, machine, calib, calib.fp8_gain, 0]
         cfg, model, machine, calib, probed_gain, _ = self.jobs[config]
         c = _candidate(cfg, settings)
-        c.prior = predict(model, with_settings(cfg, c.settings), machine, Calibration(fp8_gain=probed_gain),
-                          c.micro, c.accum)
+        prior = predict(model, with_settings(cfg, c.settings), machine, Calibration(fp8_gain=probed_gain), c.micro,
+                        c.accum)
         c.predicted = self._repredict(config, c)
-        return c
+        return c, prior
 
     def _repredict(self, config: str | None, c: Candidate) -> Prediction:
         cfg, model, machine, calib, *_ = self.jobs[config]
         return predict(model, with_settings(cfg, c.settings), machine, calib, c.micro, c.accum)
 
-    def check(self, config: str | None, settings: dict, c: Candidate, m: Measured) -> dict:
+    def check(self, config: str | None, settings: dict, c: Candidate, prior: Prediction, m: Measured) -> dict:
         _, _, machine, calib, probed_gain, measured_before = self.jobs[config]
         c.measured = m
         gb = c.predicted.gpu_bytes if machine.device == "cuda" else c.predicted.host_bytes
         row = {"config": config or "default", "label": c.label, "settings": settings,
                "measured_before": measured_before, "machine": dataclasses.asdict(machine), "fp8_gain": probed_gain,
-               "prior": prediction_dict(c.prior), "calibrated": prediction_dict(c.predicted),
+               "prior": prediction_dict(prior), "calibrated": prediction_dict(c.predicted),
                "measured": dataclasses.asdict(m), "memory_error": _error(gb / 1e9, m.peak_gb),
                "host_error": _error(c.predicted.host_bytes / 1e9, m.host_gb),
-               "step_error_prior": _error(c.prior.step_s, m.step_s),
+               "step_error_prior": _error(prior.step_s, m.step_s),
                "step_error_calibrated": _error(c.predicted.step_s, m.step_s)}
         if not m.error:
             calibrate(calib, c, machine, lambda cand: self._repredict(config, cand))
             self.jobs[config][-1] += 1
         host = f"; host {c.predicted.host_bytes / 1e9:.1f} / {m.host_gb:.1f} GB" if m.host_gb else ""
         print(f"    memory {gb / 1e9:.1f} GB predicted / {m.peak_gb or 0:.1f} measured{host}; step "
-              f"{c.prior.step_s:.3f} s prior / {c.predicted.step_s:.3f} calibrated / {m.step_s or 0:.3f} measured"
+              f"{prior.step_s:.3f} s prior / {c.predicted.step_s:.3f} calibrated / {m.step_s or 0:.3f} measured"
               f"{'  ' + m.error if m.error else ''}", flush=True)
         self.rows.append(row)
         return row
@@ -156,10 +157,10 @@ def sweep(args) -> dict:
     if args.only:
         points = [points[i - 1] for i in args.only]
     for i, (config, settings) in enumerate(points):
-        c = checker.predict(config, settings)
+        c, prior = checker.predict(config, settings)
         print(f"[{i + 1}/{len(points)}] {config or 'default'}: {c.label}", flush=True)
         m = run_trial(config, args.overrides, settings, args.steps, args.out / "trial", args.timeout)
-        _append(args.out, checker.check(config, settings, c, m))
+        _append(args.out, checker.check(config, settings, c, prior, m))
     return checker.summary()
 
 
@@ -178,10 +179,10 @@ def replay(args) -> dict:
     for i, r in enumerate(recorded):
         config = r.get("config", args.config)
         config = None if config == "default" else config
-        c = checker.predict(config, r["settings"])
+        c, prior = checker.predict(config, r["settings"])
         print(f"[{i + 1}/{len(recorded)}] {config or 'default'}: {c.label}", flush=True)
         known = {f.name for f in dataclasses.fields(Measured)}
-        _append(args.out, checker.check(config, r["settings"], c,
+        _append(args.out, checker.check(config, r["settings"], c, prior,
                                         Measured(**{k: v for k, v in r["measured"].items() if k in known})))
     return checker.summary()
 
