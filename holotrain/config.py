@@ -154,8 +154,9 @@ class ParallelConfig(_Section):
 
 @dataclass
 class MemoryConfig(_Section):
-    # "none" | "full" (every block recomputed in backward) | "selective" (every other block); see
-    # holotrain/memory/activation_checkpointing.py. true / false are accepted as "full" / "none".
+    # "none" | "full" (every block recomputed in backward) | "selective" (every other block) | "pointwise" (the
+    # norms, rotary and SwiGLU products recomputed, no matmul); see holotrain/memory/activation_checkpointing.py.
+    # true / false are accepted as "full" / "none".
     activation_checkpointing: str | bool = "none"
     # ZeRO-Offload (holotrain/memory/offload/): fp32 master weights and AdamW states in CPU memory, working
     # weights on the GPU in the compute dtype, the CPU step overlapped with backward and the next forward.
@@ -543,8 +544,9 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     # activation_checkpointing = true / false is accepted; the resolved config stores the policy name.
     ac = mem.activation_checkpointing
     ac = {"true": "full", "false": "none"}.get(str(ac).lower(), ac) if isinstance(ac, (bool, str)) else ac
-    need(ac in ("none", "full", "selective"),
-         f"memory.activation_checkpointing must be none, full or selective, got {mem.activation_checkpointing!r}")
+    need(ac in ("none", "full", "selective", "pointwise"),
+         "memory.activation_checkpointing must be none, full, selective or pointwise, got "
+         f"{mem.activation_checkpointing!r}")
     mem.activation_checkpointing = ac
     ratio = mem.offload_ratio
     if isinstance(ratio, str) and ratio.strip().lower() != "auto":

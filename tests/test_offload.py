@@ -4,6 +4,7 @@ On the CPU the engine runs its full control flow (hooks, worker thread, speculat
 with fp32 working weights, so offloaded training must reproduce plain training within fp32 rounding.
 """
 
+import collections
 import random
 
 import pytest
@@ -387,6 +388,37 @@ def test_activation_checkpointing_policies_save_memory_and_keep_gradients():
             assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_pointwise_checkpointing_recomputes_norms_and_swiglu_but_no_matmul_or_attention():
+    """"pointwise": the backward runs the norms and the SwiGLU again (which "none" does not), but not one more matmul
+    or attention than "none" ("full" runs both again); the gradients are those of "none"."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    def backward_ops_and_grads(policy):
+        model, _, _ = _setup(False, layers=4, ac=policy)
+        tokens, targets = _batches(1)[0]
+        loss = model(tokens, targets)
+        with Ops() as ops:
+            loss.backward()
+        return ops.count, [p.grad.clone() for p in model.parameters()]
+
+    (none, g_none), (pointwise, g_pw), (full, _) = map(backward_ops_and_grads, ("none", "pointwise", "full"))
+    attention = "_scaled_dot_product_flash_attention_for_cpu"
+    assert none["rsqrt"] == none["silu"] == none[attention] == 0
+    assert pointwise["rsqrt"] == 8 and pointwise["silu"] == 4  # two norms and one SwiGLU a block, 4 blocks
+    assert pointwise["mm"] == none["mm"] < full["mm"] and pointwise[attention] == 0 < full[attention]
+    for a, b in zip(g_none, g_pw):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
     from holotrain.config import ConfigError, load_config, resolve
 
@@ -397,10 +429,11 @@ def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
     assert policy("--memory.activation_checkpointing") == "full"  # a bare flag meant true
     assert policy("--memory.activation_checkpointing=false") == "none"
     assert policy("--memory.activation_checkpointing=selective") == "selective"
+    assert policy("--memory.activation_checkpointing=pointwise") == "pointwise"
     toml = tmp_path / "old.toml"
     toml.write_text("[memory]\nactivation_checkpointing = true\n")
     assert policy(path=toml) == "full"
-    with pytest.raises(ConfigError, match="none, full or selective"):
+    with pytest.raises(ConfigError, match="none, full, selective or pointwise"):
         policy("--memory.activation_checkpointing=most")
     with pytest.raises(ConfigError, match=r"memory.offload_ratio must be in \[0, 1\]"):
         policy("--memory.offload_ratio=1.5")

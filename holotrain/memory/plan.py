@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from holotrain.errors import ConfigError
-from holotrain.memory.activation_checkpointing import checkpointed_blocks
+from holotrain.memory.activation_checkpointing import checkpointed_blocks, kept_share
 from holotrain.precision.lever import FP8_ACTIVATIONS
 
 GPU_USABLE = 0.95  # of free GPU memory: the caching allocator loses some to fragmentation
@@ -195,6 +195,7 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     m, compiled = cfg.model, cfg.training.compile
     tokens = micro * cfg.data.seq_len
     per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim) * SAVED_BYTES
+    per_block *= kept_share(cfg.memory.activation_checkpointing, m.dim, m.n_kv_heads * m.dim // m.n_heads, m.ffn_dim)
     if attention_probs:
         per_block += tokens * elem_bytes * m.n_heads * cfg.data.seq_len
     recomputed = len(checkpointed_blocks(cfg.memory.activation_checkpointing, m.n_layers))

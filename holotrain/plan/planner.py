@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, parse_overrides, resolve
+from holotrain.memory.activation_checkpointing import POLICIES
 from holotrain.memory.plan import usable_cores
 from holotrain.model import Llama
 from holotrain.plan.cost import (
@@ -137,7 +138,7 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
         for overlap in (("none", "fused") if gpu and tp > 1 else ("none",))]
     out = []
     for (tp, overlap), ac, (offload, ratio), fp8, compiled, chunk in itertools.product(
-            layouts, ("none", "selective", "full"), offloads, fp8s, compiles, (0, 8192)):
+            layouts, POLICIES, offloads, fp8s, compiles, (0, 8192)):
         if chunk and (ac != "none" or tp > 1):
             continue  # chunked already under activation checkpointing (auto); TP's vocabulary-parallel loss never is
         if tp > 1 and (offload or (fp8 != "none" and overlap != "none")):
