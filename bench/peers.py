@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from holotrain.config import load_config, resolve  # noqa: E402
 from holotrain.hw import peak_bf16_flops  # noqa: E402
 from holotrain.model import flops_per_token  # noqa: E402
-from holotrain.model import llama  # noqa: E402
 from holotrain.parallel import DistEnv  # noqa: E402
 from holotrain.train.trainer import TrainStep, build_model, build_optimizer, model_args  # noqa: E402
 
@@ -110,16 +109,6 @@ def adamw(model):
 # Variants
 
 
-_PROJECT = llama.project
-
-
-def unfuse_projections(unfused: bool) -> None:
-    """"unfused": q, k, v and gate, up as separate GEMMs (and FP8 linears), as before model/llama.py: project."""
-    llama.project = (lambda x, linears: tuple(lin(x) for lin in linears)) if unfused else _PROJECT
-    llama.Attention.projection_groups = () if unfused else (("wq", "wk", "wv"),)
-    llama.FeedForward.projection_groups = () if unfused else (("w1", "w3"),)
-
-
 def build_variant(name: str, a, device):
     """Returns (step(x, y) -> loss, objects to free)."""
     if name == "hf":
@@ -147,11 +136,9 @@ def build_variant(name: str, a, device):
         # holotrain as the trainer runs it: its model, its levers, its optimizer and its step.
         # "holotrain-a-b" switches levers off or picks kernels, to show what each one gives.
         switches = set(name.split("-")[1:])
-        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune", "fp8", "fp8head",
-                              "unfused"}
+        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune", "fp8", "fp8head"}
         if unknown:
             raise SystemExit(f"unknown holotrain switches {sorted(unknown)}")
-        unfuse_projections("unfused" in switches)
         overrides = [
             f"--model.preset={ARGS.preset}", f"--data.seq_len={ARGS.seq_len}", f"--training.batch_size={ARGS.batch}",
             f"--training.compile={'false' if switches & {'eager', 'autotune'} else 'true'}", "--training.grad_clip=1.0",

@@ -115,25 +115,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * weight.float()).type_as(x)
 
 
-def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-    """Each linear's output for the same input, computed as one GEMM over their stacked weights: x is read (and
-    under FP8 cast) once, and one wide GEMM runs closer to the GPU's peak than several narrow ones (a 1.4b's
-    2048 -> 2048 projections gain least from FP8). The weights stay separate parameters, so checkpoints and
-    exports keep the Hugging Face layout. Linears that are not plain (swapped by another library) run one by one."""
-    if any(type(lin) is not nn.Linear or lin.bias is not None for lin in linears):
-        return tuple(lin(x) for lin in linears)
-    weights = [lin.weight for lin in linears]
-    kind = x.device.type
-    x = x.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else x
-    fp8 = getattr(linears[0], "fp8_matmul", None)  # precision/lever.py gives it to every linear of the group
-    if fp8 is not None:
-        y = fp8(x.reshape(-1, x.shape[-1]), torch.cat(weights).t()).view(*x.shape[:-1], -1)
-    else:
-        # Each weight cast before stacking (as autocast casts one linear's), so the stack is built in x's dtype.
-        y = F.linear(x, torch.cat([w.to(x.dtype) for w in weights]))
-    return y.split([w.shape[0] for w in weights], dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -142,9 +123,6 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-
-    # Linears computed as one GEMM (see `project`); the precision lever gives each group one FP8 matmul.
-    projection_groups = (("wq", "wk", "wv"),)
 
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -166,9 +144,9 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The input projections as one GEMM (parallel/tp.py replaces this with one all-gather fused into it)."""
-        return project(x, (self.wq, self.wk, self.wv))
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input projections (parallel/tp.py replaces this with one all-gather fused into one GEMM)."""
+        return self.wq(x), self.wk(x), self.wv(x)
 
 
 class FeedForward(nn.Module):
@@ -178,15 +156,13 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
 
-    projection_groups = (("w1", "w3"),)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
         return self.w2(F.silu(gate) * up)
 
-    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The input projections as one GEMM (parallel/tp.py replaces this with one all-gather fused into it)."""
-        return project(x, (self.w1, self.w3))
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input projections (parallel/tp.py replaces this with one all-gather fused into one GEMM)."""
+        return self.w1(x), self.w3(x)
 
 
 class Block(nn.Module):

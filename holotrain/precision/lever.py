@@ -57,27 +57,13 @@ def admitted(module: torch.nn.Module, fqn: str, skip: list[str], tp: int = 1) ->
     return module.in_features % (16 * tp) == 0 and module.out_features % (16 * tp) == 0
 
 
-def fp8_groups(model: torch.nn.Module, skip: list[str]) -> list[list[tuple[str, torch.nn.Linear]]]:
-    """The FP8 GEMMs of `model`: each the (name, linear) pairs it computes. Linears that the model computes as one
-    GEMM (a module's `projection_groups`, model/llama.py: project) form one group when the filter admits all of
-    them; every other admitted linear is a group of its own."""
-    groups, grouped = [], set()
-    for fqn, module in model.named_modules():
-        for names in getattr(module, "projection_groups", ()):
-            members = [(f"{fqn}.{n}" if fqn else n, getattr(module, n)) for n in names]
-            if all(type(m) is torch.nn.Linear and admitted(m, f, skip) for f, m in members):
-                groups.append(members)
-                grouped.update(f for f, _ in members)
-    groups += [[(fqn, m)] for fqn, m in model.named_modules() if fqn not in grouped and admitted(m, fqn, skip)]
-    return groups
-
-
 def fp8_shapes(model: torch.nn.Module, skip: list[str]) -> dict[tuple[int, int], int]:
-    """(in, out) -> how many FP8 GEMMs of that shape a micro-batch's forward runs (a group's outputs summed)."""
+    """(in, out) -> how many linear layers of that shape would go FP8."""
     shapes: dict[tuple[int, int], int] = {}
-    for group in fp8_groups(model, skip):
-        key = (group[0][1].in_features, sum(m.out_features for _, m in group))
-        shapes[key] = shapes.get(key, 0) + 1
+    for fqn, module in model.named_modules():
+        if admitted(module, fqn, skip):
+            key = (module.in_features, module.out_features)
+            shapes[key] = shapes.get(key, 0) + 1
     return shapes
 
 
@@ -112,20 +98,8 @@ class Precision:
             self._apply_tp(model, comm.world, dataclasses.replace(config, enable_fsdp_float8_all_gather=False))
             return
 
-        # Linears computed as one GEMM share one FP8 matmul over their stacked weights (model/llama.py: project);
-        # with FP8 all-gathers each stays torchao's Float8Linear, whose weights FSDP2 gathers in FP8.
-        fused = set()
-        if not gather_fp8:
-            matmul = Fp8Matmul(config)
-            for group in fp8_groups(model, self.skip):
-                if len(group) > 1:
-                    for fqn, module in group:
-                        module.fp8_matmul = matmul
-                        fused.add(fqn)
-                        self.converted.append(fqn)
-
         def admit(module: torch.nn.Module, fqn: str) -> bool:
-            ok = fqn not in fused and admitted(module, fqn, self.skip)
+            ok = admitted(module, fqn, self.skip)
             if ok:
                 self.converted.append(fqn)
             return ok
