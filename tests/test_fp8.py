@@ -17,7 +17,8 @@ def test_fp8_on_a_cpu_is_one_config_error_and_auto_says_why_it_is_off(tmp_path):
              "parallel.tp_overlap": "fused"}
     proc = run_cli_here("train", *tiny_args(tmp_path / "tp", **fused))
     assert proc.returncode == 2 and "parallel.tp_overlap = 'none'" in proc.stderr, proc.stderr
-    proc = run_cli("train", *tiny_args(tmp_path / "auto", **{"training.fp8": "auto", "training.steps": 2}))
+    proc = run_cli("train", *tiny_args(tmp_path / "auto", **{"training.fp8": "auto", "training.steps": 2,
+                                                              "job.device": "cpu"}))
     assert "training.fp8 = auto -> none (cpu has no FP8 matmuls)" in proc.stdout
 
 

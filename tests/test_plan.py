@@ -271,6 +271,10 @@ MEASURED_PEAKS = [
     ("offload", {"memory.offload": False, "training.fp8": "tensorwise"}, 109.7),
     ("offload", {"memory.offload_ratio": 1.0}, 21.5),
     ("offload", {"memory.offload_ratio": 0.5}, 63.1),
+    ("14b", {"memory.activation_checkpointing": "pointwise", "training.fp8": "tensorwise", "memory.offload_ratio": 0.5,
+             "memory.loss_chunk_tokens": 0}, 145.8),
+    ("14b", {"memory.activation_checkpointing": "selective", "training.fp8": "tensorwise", "memory.offload_ratio": 0.5,
+             "memory.loss_chunk_tokens": 0}, 129.0),
 ]
 
 
