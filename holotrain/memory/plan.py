@@ -200,8 +200,11 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
         per_block += tokens * elem_bytes * m.n_heads * cfg.data.seq_len
     recomputed = len(checkpointed_blocks(cfg.memory.activation_checkpointing, m.n_layers))
     kept = m.n_layers - recomputed
-    fp8 = FP8_ACTIVATIONS if cfg.training.fp8 != "none" else 1.0
-    casts = 0 if fp8 != 1.0 or elem_bytes == 4 else WEIGHT_CAST_BYTES * block_weights * kept / m.n_layers
+    fp8_on = cfg.training.fp8 != "none"
+    # FP8 linears keep their inputs cast; under "pointwise" those casts are recomputed, and the matmuls' outputs it
+    # keeps are in the compute dtype: the 14B's peak, FP8 with "pointwise" and with selective, decided it.
+    fp8 = FP8_ACTIVATIONS if fp8_on and cfg.memory.activation_checkpointing != "pointwise" else 1.0
+    casts = 0 if fp8_on or elem_bytes == 4 else WEIGHT_CAST_BYTES * block_weights * kept / m.n_layers
     saved = kept * per_block * fp8 + recomputed * tokens * elem_bytes * m.dim + casts
     chunk = loss_chunk_tokens(cfg)
     if chunk and chunk < tokens:
