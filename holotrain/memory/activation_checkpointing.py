@@ -9,9 +9,9 @@ Policies (`memory.activation_checkpointing`):
                and so does the extra time, so this is the midpoint of that trade; at the memory peak (end of
                forward) all blocks' activations coexist, so which half is recomputed does not matter.
   "pointwise"  every block keeps its matmuls' and its attention's outputs and recomputes the rest in backward:
-               the norms, the rotary embedding, the SwiGLU product and the residual sums, which are cheap
-               (memory-bound, fused into the backward's kernels under compile) and are about 30% of what a
-               Llama block keeps. No matmul runs twice.
+               the norms, the rotary embedding, the SwiGLU product and the residual sums, about 30% of what a
+               Llama block keeps. No matmul runs twice; the recomputation is memory traffic, cheap but not free
+               (POINTWISE_SHARE).
 The booleans true / false are accepted as "full" / "none".
 """
 
