@@ -98,8 +98,9 @@ class TrainingConfig(_Section):
     grad_clip: float = 1.0  # 0 disables clipping
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     compile: bool = False
-    # Preferred kernel for unpacked causal attention on GPU (auto | cudnn | flash). Packed batches from the
-    # data plane carry document ids and always use flex attention with a document mask.
+    # Preferred kernel for unpacked causal attention on GPU (auto | cudnn | flash). A packed micro-batch from the data
+    # plane whose rows hold more than one document carries document ids and uses flex attention with a document
+    # mask; one whose rows each hold a piece of one document takes this kernel.
     attention: str = "auto"
     log_every: int = 10
     # A step whose loss or gradient norm is not finite is skipped (weights and optimizer state untouched) and

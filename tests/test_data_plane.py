@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from holotrain.data.client import with_boundary
 from holotrain.data.corpus import prepare_tokenizer
 from holotrain.data.mixture import Mixture, weight_at
 from holotrain.data.packing import Packer, balance, sample_arrays
@@ -125,6 +126,13 @@ def test_packing_keeps_documents_and_masks_targets():
             assert (y[r, pos : pos + n - 1] == piece.tokens[1:]).all()
             pos += n
     assert packer.pad_tokens / packer.total_tokens < 0.05
+
+
+def test_only_micro_batches_with_a_document_boundary_are_masked():
+    # [accum=3, micro=2, T=8]: rows of one document each; a boundary inside a row; a boundary between two rows only.
+    one_each = np.array([[0] * 8, [1] * 8], dtype=np.int32)
+    inside = np.array([[0] * 8, [1] * 3 + [2] * 5], dtype=np.int32)
+    assert with_boundary(np.stack([one_each, inside, one_each + 7])) == [False, True, False]
 
 
 def test_balancing_long_tailed_lengths_over_8_ranks():
@@ -303,6 +311,7 @@ def test_metrics_report_the_plane(plane_reference):
     assert abs(share - 0.7) < 0.02
     assert row["data.skipped"] == 0 and row["time.data_wait"] >= 0
     assert sum(row["data.workers"].values()) >= 2
+    assert 0 < row["data.doc_masked_share"] <= 1  # short documents: most micro-batches hold a boundary
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -56,8 +56,16 @@ RECONNECT_S = 120.0  # how long a rank waits for a restarted plane
 MAX_PLANE_RESTARTS = 5
 
 
+def with_boundary(doc_ids: np.ndarray) -> list[bool]:
+    """For doc_ids [accum, micro, T], whether each micro-batch has a row that holds more than one document."""
+    return (doc_ids[..., 1:] != doc_ids[..., :-1]).reshape(doc_ids.shape[0], -1).any(axis=1).tolist()
+
+
 class DataClient:
-    """Yields, per optimizer step, this rank's micro-batches as (inputs, targets, doc_ids) on the device."""
+    """Yields, per optimizer step, this rank's micro-batches as (inputs, targets, doc_ids) on the device. doc_ids is
+    None for a micro-batch whose rows each hold a piece of one document: it needs no document mask, and the model
+    then takes its dense causal attention kernel, faster than the masked one (the result is the same: positions
+    restart at every row either way)."""
 
     def __init__(self, address: str, authkey: bytes, rank: int, start_step: int, device: torch.device,
                  plane: mp.Process | None = None, depth: int = 2, restart=None, plane_state: dict | None = None):
@@ -77,6 +85,7 @@ class DataClient:
         self._stop = threading.Event()
         self.stats: dict = {}
         self.samples = None
+        self.micro_batches = self.masked_micro_batches = 0  # handed out, and of them with a document boundary
         self._thread = threading.Thread(target=self._prefetch, args=(start_step,), name="holotrain-data-prefetch",
                                         daemon=True)
         self._thread.start()
@@ -113,6 +122,7 @@ class DataClient:
                 host.numpy()[:] = np.ndarray(reply["shape"], dtype=np.int32, buffer=shm.buf)
                 shm.close()
                 shm.unlink()
+                masked = with_boundary(host.numpy()[2])
                 event = None
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
@@ -121,7 +131,7 @@ class DataClient:
                         event.record(self._stream)
                 else:
                     dev = host.long()
-                self._put((dev, event, reply["stats"], reply["samples"], step))
+                self._put((dev, masked, event, reply["stats"], reply["samples"], step))
                 step += 1
         except BaseException as e:  # handed to the training loop, which raises it
             self._put(e)
@@ -146,13 +156,15 @@ class DataClient:
         waited = time.perf_counter() - t0
         if isinstance(item, BaseException):
             raise item
-        batch, event, self.stats, self.samples, step = item
+        batch, masked, event, self.stats, self.samples, step = item
         self._handed = step + 1
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
             batch.record_stream(torch.cuda.current_stream(self.device))
+        self.micro_batches += len(masked)
+        self.masked_micro_batches += sum(masked)
         inputs, targets, doc_ids = batch  # each [accum, micro, T]
-        return [(inputs[m], targets[m], doc_ids[m]) for m in range(inputs.shape[0])], waited
+        return [(inputs[m], targets[m], doc_ids[m] if masked[m] else None) for m in range(inputs.shape[0])], waited
 
     def state(self, steps_done: int) -> dict | None:
         """The plane's state after `steps_done` steps, for a checkpoint."""

@@ -74,7 +74,11 @@ class Data:
 
     def metrics(self, steps: int) -> dict:
         stats = self.client.stats
-        return {**{f"data.{k}": stats.get(k) for k in STAT_FIELDS}, "data.plane_restarts": self.client.restarts}
+        c = self.client
+        # Share of the micro-batches handed out so far that held a document boundary (and took the masked attention).
+        masked = c.masked_micro_batches / c.micro_batches if c.micro_batches else None
+        return {**{f"data.{k}": stats.get(k) for k in STAT_FIELDS}, "data.plane_restarts": c.restarts,
+                "data.doc_masked_share": masked}
 
     def close(self) -> None:
         if self._samples_log is not None:
