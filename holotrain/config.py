@@ -159,6 +159,8 @@ class MemoryConfig(_Section):
     # norms, rotary and SwiGLU products recomputed, no matmul); see holotrain/memory/activation_checkpointing.py.
     # true / false are accepted as "full" / "none".
     activation_checkpointing: str | bool = "none"
+    # "full" or "pointwise" on this many blocks, spread evenly over the depth (0 = every block).
+    activation_checkpointing_blocks: int = 0
     # ZeRO-Offload (holotrain/memory/offload/): fp32 master weights and AdamW states in CPU memory, working
     # weights on the GPU in the compute dtype, the CPU step overlapped with backward and the next forward.
     offload: bool = False
@@ -549,6 +551,12 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
          "memory.activation_checkpointing must be none, full, selective or pointwise, got "
          f"{mem.activation_checkpointing!r}")
     mem.activation_checkpointing = ac
+    blocks = mem.activation_checkpointing_blocks
+    need(isinstance(blocks, int) and 0 <= blocks <= m.n_layers,
+         f"memory.activation_checkpointing_blocks must be between 0 and model.n_layers = {m.n_layers}, got {blocks!r}")
+    need(blocks == 0 or ac in ("full", "pointwise"),
+         f'memory.activation_checkpointing_blocks = {blocks} applies to "full" and "pointwise", not {ac!r} '
+         '("selective" is "full" on every other block)')
     ratio = mem.offload_ratio
     if isinstance(ratio, str) and ratio.strip().lower() != "auto":
         try:

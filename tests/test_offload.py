@@ -102,7 +102,7 @@ def test_fit_error_names_the_numbers_and_the_keys(tmp_path):
 
 
 def _setup(offload: bool, clip: float = 1.0, ratio: float = 1.0, layers: int = 2, ac: str = "none",
-           kernel: str = "auto"):
+           kernel: str = "auto", ac_blocks: int = 0):
     from holotrain.config import load_config, resolve
     from holotrain.memory import build_optimizer
     from holotrain.optim import AdamWHyper
@@ -113,7 +113,7 @@ def _setup(offload: bool, clip: float = 1.0, ratio: float = 1.0, layers: int = 2
         "--model.dim=64", f"--model.n_layers={layers}", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_dim=176", "--data.seq_len=16", f"--training.grad_clip={clip}", f"--memory.offload={offload}",
         f"--memory.offload_ratio={ratio}", f"--memory.activation_checkpointing={ac}",
-        f"--memory.offload_kernel={kernel}",
+        f"--memory.offload_kernel={kernel}", f"--memory.activation_checkpointing_blocks={ac_blocks}",
     ]), tokenizer_vocab=128)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model = build_model(cfg, env, torch.float32)
@@ -402,8 +402,8 @@ def test_pointwise_checkpointing_recomputes_norms_and_swiglu_but_no_matmul_or_at
             self.count[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
-    def backward_ops_and_grads(policy):
-        model, _, _ = _setup(False, layers=4, ac=policy)
+    def backward_ops_and_grads(policy, blocks=0):
+        model, _, _ = _setup(False, layers=4, ac=policy, ac_blocks=blocks)
         tokens, targets = _batches(1)[0]
         loss = model(tokens, targets)
         with Ops() as ops:
@@ -411,12 +411,40 @@ def test_pointwise_checkpointing_recomputes_norms_and_swiglu_but_no_matmul_or_at
         return ops.count, [p.grad.clone() for p in model.parameters()]
 
     (none, g_none), (pointwise, g_pw), (full, _) = map(backward_ops_and_grads, ("none", "pointwise", "full"))
+    (half, g_half), (full_1, _) = backward_ops_and_grads("pointwise", 2), backward_ops_and_grads("full", 1)
     attention = "_scaled_dot_product_flash_attention_for_cpu"
     assert none["rsqrt"] == none["silu"] == none[attention] == 0
     assert pointwise["rsqrt"] == 8 and pointwise["silu"] == 4  # two norms and one SwiGLU a block, 4 blocks
     assert pointwise["mm"] == none["mm"] < full["mm"] and pointwise[attention] == 0 < full[attention]
-    for a, b in zip(g_none, g_pw):
-        assert torch.allclose(a, b, atol=1e-6)
+    # memory.activation_checkpointing_blocks: the policy on 2 (or 1) of the 4 blocks.
+    assert half["rsqrt"] == 4 and half["silu"] == 2 and half["mm"] == none["mm"]
+    assert full_1[attention] == 1 and none["mm"] < full_1["mm"] < full["mm"]
+    for a, b, c in zip(g_none, g_pw, g_half):
+        assert torch.allclose(a, b, atol=1e-6) and torch.allclose(a, c, atol=1e-6)
+
+
+def test_checkpointing_some_blocks_spreads_them_and_scales_memory_and_time():
+    from holotrain.memory.activation_checkpointing import checkpointed_blocks, pointwise_blocks, recompute_share
+    from holotrain.plan.planner import checkpointing_choices
+
+    assert pointwise_blocks("pointwise", 24, 6) == [0, 4, 8, 12, 16, 20] and checkpointed_blocks("pointwise", 24, 6) == []
+    assert checkpointed_blocks("full", 24, 12) == checkpointed_blocks("selective", 24) == list(range(0, 24, 2))
+    assert checkpointed_blocks("full", 24) == list(range(24)) and pointwise_blocks("none", 24, 6) == []
+    assert recompute_share("full", 24, blocks=6) == pytest.approx(recompute_share("full", 24) / 4)
+    # "pointwise" on fewer blocks keeps a fixed part of its cost (measured on the 1.4b at 7, 8 and 24 blocks).
+    assert recompute_share("pointwise", 24, blocks=12) == pytest.approx(recompute_share("pointwise", 24) * 0.75)
+    assert ("pointwise", 12) in checkpointing_choices(24) and ("full", 12) not in checkpointing_choices(24)
+    # The memory model: pointwise on half the blocks keeps half way between none and pointwise on all of them.
+    from holotrain.config import load_config, resolve
+    from holotrain.memory.plan import activations
+
+    def saved(*overrides):
+        cfg = resolve(load_config("1.4b", list(overrides)), tokenizer_vocab=32000)
+        return activations(cfg, 8, 2, 0).saved
+
+    none, every = saved(), saved("--memory.activation_checkpointing=pointwise")
+    half = saved("--memory.activation_checkpointing=pointwise", "--memory.activation_checkpointing_blocks=12")
+    assert every < half < none and half == pytest.approx((none + every) / 2)
 
 
 def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
@@ -435,6 +463,10 @@ def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
     assert policy(path=toml) == "full"
     with pytest.raises(ConfigError, match="none, full, selective or pointwise"):
         policy("--memory.activation_checkpointing=most")
+    with pytest.raises(ConfigError, match='applies to "full" and "pointwise", not \'selective\''):
+        policy("--memory.activation_checkpointing=selective", "--memory.activation_checkpointing_blocks=2")
+    with pytest.raises(ConfigError, match="activation_checkpointing_blocks must be between 0 and model.n_layers = 4"):
+        policy("--memory.activation_checkpointing=full", "--memory.activation_checkpointing_blocks=5")
     with pytest.raises(ConfigError, match=r"memory.offload_ratio must be in \[0, 1\]"):
         policy("--memory.offload_ratio=1.5")
     with pytest.raises(ConfigError, match=r"memory.loss_chunk_tokens must be >= 0 \(0 = auto\), got -1"):

@@ -52,7 +52,8 @@ class Memory:
         """Activation checkpointing and the loss in pieces, on the plain (or tensor-parallel) model. A
         vocabulary-parallel loss (tensor parallelism) holds 1/tp of the logits and is never chunked."""
         if self.section.activation_checkpointing != "none":
-            apply_activation_checkpointing(model, self.section.activation_checkpointing)
+            apply_activation_checkpointing(model, self.section.activation_checkpointing,
+                                           self.section.activation_checkpointing_blocks)
         model.loss_chunk_tokens = 0 if vocab_parallel_loss else plan.chunk_tokens(self.section)
 
     @property

@@ -13,6 +13,9 @@ Policies (`memory.activation_checkpointing`):
                Llama block keeps. No matmul runs twice; the recomputation is memory traffic, cheap but not free
                (POINTWISE_SHARE).
 The booleans true / false are accepted as "full" / "none".
+
+`memory.activation_checkpointing_blocks` = N > 0 applies "full" or "pointwise" to N blocks spread evenly over the
+depth instead of every block: memory and recomputation then fall in proportion (the planner's "how many blocks").
 """
 
 from __future__ import annotations
@@ -30,35 +33,49 @@ POLICIES = ("none", "full", "selective", "pointwise")
 # "pointwise"'s recomputation (norms, rotary, SwiGLU: memory-bound) as a share of its blocks' time: the 1.4b at
 # micro-batch 16 on an H200, compiled, ran 2.8% slower than with nothing recomputed (its loss in pieces aside).
 POINTWISE_SHARE = 0.03
+# Half of that cost stays when fewer blocks are "pointwise": on 7 and 8 of the 1.4b's 24 blocks (micro-batch 16,
+# H200) the step ran 1.6% and 2.5% slower, not the 0.9-1.0% a proportional rule gives.
+POINTWISE_FIXED = 0.5
 
 
-def checkpointed_blocks(policy: str, n_layers: int) -> list[int]:
-    """Indices of the blocks a policy recomputes."""
-    if policy == "full":
-        return list(range(n_layers))
-    if policy == "selective":
-        return list(range(0, n_layers, 2))
-    if policy in ("none", "pointwise"):
+def policy_blocks(policy: str, n_layers: int, blocks: int = 0) -> list[int]:
+    """Indices of the blocks the policy applies to: `blocks` of them spread evenly over the depth, or with 0 the
+    policy's own (every block for "full" and "pointwise", every other one for "selective", none for "none")."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown activation checkpointing policy {policy!r} (known: {', '.join(POLICIES)})")
+    if policy == "none":
         return []
-    raise ValueError(f"unknown activation checkpointing policy {policy!r} (known: {', '.join(POLICIES)})")
+    if blocks and policy in ("full", "pointwise"):
+        return [i * n_layers // blocks for i in range(min(blocks, n_layers))]
+    return list(range(0, n_layers, 2 if policy == "selective" else 1))
 
 
-def recompute_share(policy: str, n_layers: int, blocks_share: float = 1.0) -> float:
+def checkpointed_blocks(policy: str, n_layers: int, blocks: int = 0) -> list[int]:
+    """Indices of the blocks recomputed whole in backward (keeping only their input)."""
+    return policy_blocks(policy, n_layers, blocks) if policy in ("full", "selective") else []
+
+
+def pointwise_blocks(policy: str, n_layers: int, blocks: int = 0) -> list[int]:
+    """Indices of the blocks that keep only their matmuls' and attention's outputs ("pointwise")."""
+    return policy_blocks(policy, n_layers, blocks) if policy == "pointwise" else []
+
+
+def recompute_share(policy: str, n_layers: int, blocks_share: float = 1.0, blocks: int = 0) -> float:
     """The policy's cost in time: extra matmul work as a share of a step's, each recomputed block running its
     forward (a third of its training FLOPs) again. `blocks_share`: the blocks' share of the step's FLOPs (the output
-    head is never recomputed: a quarter of a small model's FLOPs, 5% of a 1.4b's). "pointwise" runs no matmul
-    again; its memory-bound recomputation is counted as POINTWISE_SHARE of the blocks' time."""
-    if policy == "pointwise":
-        return POINTWISE_SHARE * blocks_share
-    return len(checkpointed_blocks(policy, n_layers)) / n_layers / 3 * blocks_share
+    head is never recomputed: a quarter of a small model's FLOPs, 5% of a 1.4b's). A "pointwise" block runs no
+    matmul again; its memory-bound recomputation is counted as POINTWISE_SHARE of the blocks' time when every block
+    is "pointwise", with POINTWISE_FIXED of it whatever their number."""
+    lean = len(pointwise_blocks(policy, n_layers, blocks)) / n_layers
+    whole = len(checkpointed_blocks(policy, n_layers, blocks)) / n_layers
+    pointwise = POINTWISE_SHARE * (POINTWISE_FIXED + (1 - POINTWISE_FIXED) * lean) if lean else 0.0
+    return (pointwise + whole / 3) * blocks_share
 
 
-def kept_share(policy: str, dim: int, kv_dim: int, ffn_dim: int) -> float:
-    """The share of a block's activations that a block the policy does not recompute keeps. Per token a block
-    keeps its input, two norms' outputs, q/k/v, the attention's output, the residual sum, gate, up and their
-    product; "pointwise" keeps its input, q/k/v, the attention's and the output projection's outputs, gate and up."""
-    if policy != "pointwise":
-        return 1.0
+def pointwise_kept_share(dim: int, kv_dim: int, ffn_dim: int) -> float:
+    """The share of a block's activations that a "pointwise" block keeps. Per token a block keeps its input, two
+    norms' outputs, q/k/v, the attention's output, the residual sum, gate, up and their product; "pointwise" keeps
+    its input, q/k/v, the attention's and the output projection's outputs, gate and up."""
     return (4 * dim + 2 * kv_dim + 2 * ffn_dim) / (6 * dim + 2 * kv_dim + 3 * ffn_dim)
 
 
@@ -78,16 +95,12 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, policy: str = "full") -> None:
-    """Wraps the policy's blocks of `model.layers` in place (non-reentrant checkpointing; "pointwise" wraps every
-    block with a selective policy: torch.utils.checkpoint's per-op choice, which torch.compile honours)."""
+def apply_activation_checkpointing(model: nn.Module, policy: str = "full", blocks: int = 0) -> None:
+    """Wraps the policy's blocks of `model.layers` in place (non-reentrant checkpointing; a "pointwise" block with a
+    selective policy: torch.utils.checkpoint's per-op choice, which torch.compile honours)."""
     names = list(model.layers.keys())
-    if policy == "pointwise":
-        context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
-        for name in names:
-            model.layers.register_module(name, checkpoint_wrapper(model.layers[name], preserve_rng_state=False,
-                                                                  context_fn=context))
-        return
-    for i in checkpointed_blocks(policy, len(names)):
-        block = model.layers[names[i]]
-        model.layers.register_module(names[i], checkpoint_wrapper(block, preserve_rng_state=False))
+    context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    for i in policy_blocks(policy, len(names), blocks):
+        extra = {"context_fn": context} if policy == "pointwise" else {}
+        model.layers.register_module(names[i], checkpoint_wrapper(model.layers[names[i]], preserve_rng_state=False,
+                                                                  **extra))

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from holotrain.errors import ConfigError
-from holotrain.memory.activation_checkpointing import checkpointed_blocks, kept_share
+from holotrain.memory.activation_checkpointing import checkpointed_blocks, pointwise_blocks, pointwise_kept_share
 from holotrain.precision.lever import FP8_ACTIVATIONS
 
 GPU_USABLE = 0.95  # of free GPU memory: the caching allocator loses some to fragmentation
@@ -194,18 +194,21 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     seq_len values per token (the default job's host RSS on 2 cores: within 0.07 GB at six settings)."""
     m, compiled = cfg.model, cfg.training.compile
     tokens = micro * cfg.data.seq_len
+    ac, blocks = cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks
     per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim) * SAVED_BYTES
-    per_block *= kept_share(cfg.memory.activation_checkpointing, m.dim, m.n_kv_heads * m.dim // m.n_heads, m.ffn_dim)
-    if attention_probs:
-        per_block += tokens * elem_bytes * m.n_heads * cfg.data.seq_len
-    recomputed = len(checkpointed_blocks(cfg.memory.activation_checkpointing, m.n_layers))
-    kept = m.n_layers - recomputed
+    probs = tokens * elem_bytes * m.n_heads * cfg.data.seq_len if attention_probs else 0.0
+    recomputed = len(checkpointed_blocks(ac, m.n_layers, blocks))
+    lean = len(pointwise_blocks(ac, m.n_layers, blocks))
+    plain = m.n_layers - recomputed - lean
     fp8_on = cfg.training.fp8 != "none"
-    # FP8 linears keep their inputs cast; under "pointwise" those casts are recomputed, and the matmuls' outputs it
+    # FP8 linears keep their inputs cast; a "pointwise" block recomputes those casts, and the matmuls' outputs it
     # keeps are in the compute dtype: the 14B's peak, FP8 with "pointwise" and with selective, decided it.
-    fp8 = FP8_ACTIVATIONS if fp8_on and cfg.memory.activation_checkpointing != "pointwise" else 1.0
-    casts = 0 if fp8_on or elem_bytes == 4 else WEIGHT_CAST_BYTES * block_weights * kept / m.n_layers
-    saved = kept * per_block * fp8 + recomputed * tokens * elem_bytes * m.dim + casts
+    fp8 = FP8_ACTIVATIONS if fp8_on else 1.0
+    lean_share = pointwise_kept_share(m.dim, m.n_kv_heads * m.dim // m.n_heads, m.ffn_dim)
+    casts = 0 if fp8_on or elem_bytes == 4 else WEIGHT_CAST_BYTES * block_weights * (plain + lean) / m.n_layers
+    saved = (plain * (per_block + probs) * fp8 + lean * (per_block * lean_share + probs)
+             + recomputed * tokens * elem_bytes * m.dim + casts)
+    per_block += probs
     chunk = loss_chunk_tokens(cfg)
     if chunk and chunk < tokens:
         loss = chunk * m.vocab_size * PIECE_BYTES
@@ -412,8 +415,9 @@ def _suggestions(model, cfg, world_size, device, micro, accum, plan: Plan, capac
     elif mem.offload:
         out.append("no memory.offload_ratio fits both memories as configured")
     tries = []
-    if mem.activation_checkpointing != "full":
-        tries.append(('memory.activation_checkpointing = "full"', _with(cfg, activation_checkpointing="full"), micro, accum))
+    if mem.activation_checkpointing != "full" or mem.activation_checkpointing_blocks:
+        tries.append(('memory.activation_checkpointing = "full" on every block',
+                      _with(cfg, activation_checkpointing="full", activation_checkpointing_blocks=0), micro, accum))
     if micro > 1:
         tries.append((f"training.micro_batch_size = {micro // 2} (accumulation keeps the batch)", cfg, micro // 2,
                       accum * 2))

@@ -170,7 +170,8 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     blocks_share = 1 - 6 * m.dim * m.vocab_size / per_token  # the head's 6 FLOPs per weight are not recomputed
     # Each lever's terms: activation checkpointing's recomputation, FP8's matmul gain, offload's exposed CPU step
     # (every early step clips with grad_clip > 0: the conservative case), a save's blocking time.
-    body = flops * (1 + recompute_share(cfg.memory.activation_checkpointing, m.n_layers, blocks_share))
+    body = flops * (1 + recompute_share(cfg.memory.activation_checkpointing, m.n_layers, blocks_share,
+                                        cfg.memory.activation_checkpointing_blocks))
     key = (machine.device, t.compile)
     eff = calib.efficiency.get(key, EFFICIENCY[key])
     compute = matmul_time(body / ranks / (machine.gemm_flops * eff), t.fp8, calib.fp8_gain)

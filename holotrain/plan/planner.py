@@ -58,7 +58,9 @@ class Candidate:
     @property
     def label(self) -> str:
         s = self.settings
-        parts = [f"micro {self.micro}x{self.accum}", f"ac {s['memory.activation_checkpointing']}"]
+        blocks = s.get("memory.activation_checkpointing_blocks", 0)
+        parts = [f"micro {self.micro}x{self.accum}",
+                 f"ac {s['memory.activation_checkpointing']}" + (f" on {blocks} blocks" if blocks else "")]
         if self.ranks > 1:
             tp = s["parallel.tp"]
             parts.insert(0, f"tp {tp}" + (f" ({s['parallel.tp_overlap']})" if tp > 1 else "")
@@ -103,9 +105,9 @@ def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
 
 
 # The settings a plan chooses (a candidate's keys).
-PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing", "memory.offload",
-                "memory.offload_ratio", "training.compile", "memory.loss_chunk_tokens", "training.fp8", "parallel.tp",
-                "parallel.tp_overlap")
+PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing", "memory.activation_checkpointing_blocks",
+                "memory.offload", "memory.offload_ratio", "training.compile", "memory.loss_chunk_tokens", "training.fp8",
+                "parallel.tp", "parallel.tp_overlap")
 
 
 def held_settings(cfg: Config, overrides: list[str]) -> dict:
@@ -127,6 +129,14 @@ def _keeps(c: Candidate, held: dict) -> bool:
                if k != "memory.offload_ratio" or c.settings.get("memory.offload"))
 
 
+def checkpointing_choices(n_layers: int) -> list[tuple[str, int]]:
+    """(policy, blocks): every policy on its own blocks, and "pointwise" on a quarter, half and three quarters of
+    the blocks, "full" on a quarter and three quarters (on half it is "selective")."""
+    some = sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4} - {0, n_layers})
+    return ([(policy, 0) for policy in POLICIES] + [("pointwise", b) for b in some]
+            + [("full", b) for b in some if b != n_layers // 2])
+
+
 def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[Candidate]:
     t = cfg.training
     gpu = machine.device == "cuda"
@@ -137,8 +147,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
         (tp, overlap) for tp in _tp_sizes(cfg, ranks)
         for overlap in (("none", "fused") if gpu and tp > 1 else ("none",))]
     out = []
-    for (tp, overlap), ac, (offload, ratio), fp8, compiled, chunk in itertools.product(
-            layouts, POLICIES, offloads, fp8s, compiles, (0, 8192)):
+    for (tp, overlap), (ac, blocks), (offload, ratio), fp8, compiled, chunk in itertools.product(
+            layouts, checkpointing_choices(cfg.model.n_layers), offloads, fp8s, compiles, (0, 8192)):
         if chunk and (ac != "none" or tp > 1):
             continue  # chunked already under activation checkpointing (auto); TP's vocabulary-parallel loss never is
         if tp > 1 and (offload or (fp8 != "none" and overlap != "none")):
@@ -151,7 +161,7 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             if chunk and micro * cfg.data.seq_len <= chunk:
                 continue  # a micro-batch of one piece: the same step as the unchunked loss
             settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
-                        "memory.offload": offload, "memory.offload_ratio": ratio, "training.compile": compiled,
+                        "memory.activation_checkpointing_blocks": blocks, "memory.offload": offload, "memory.offload_ratio": ratio, "training.compile": compiled,
                         "memory.loss_chunk_tokens": chunk}
             if gpu:
                 settings["training.fp8"] = fp8
