@@ -35,7 +35,7 @@ import torch
 
 from holotrain.memory.activation_checkpointing import recompute_share
 from holotrain.memory.offload.cost import ADAMW_IN_TRAINING, exposed_cpu_step
-from holotrain.memory.plan import Plan, plan_memory
+from holotrain.memory.plan import GPU_USABLE, Plan, gpu_usable_share, plan_memory
 from holotrain.model import flops_per_token
 from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
 from holotrain.precision.lever import FP8_HOST, matmul_time
@@ -140,7 +140,10 @@ def _memory(model, cfg, machine: Machine, micro: int, accum: int, ranks: int) ->
     """Per rank: the memory plan (FSDP2 shards over all ranks, TP's shards included), with tensor parallelism's
     share of the activations."""
     device = torch.device(machine.device)
-    plan = plan_memory(model, cfg, ranks, device, micro, accum, gpu_capacity=machine.gpu_memory,
+    # The machine's figure is GPU_USABLE of the free memory; a setting that trains with expandable segments (offload,
+    # a capped GPU) can use more of it.
+    gpu = machine.gpu_memory * gpu_usable_share(cfg) / GPU_USABLE if machine.gpu_memory else machine.gpu_memory
+    plan = plan_memory(model, cfg, ranks, device, micro, accum, gpu_capacity=gpu,
                        host_capacity=machine.host_memory / ranks, local_ranks=ranks)
     key = "activations (estimate)"
     for parts in (plan.gpu, plan.host):

@@ -24,7 +24,7 @@ from holotrain.hw.lever import build as build_hardware
 from holotrain.memory import Memory
 from holotrain.memory import build as build_memory
 from holotrain.memory import build_optimizer as _build_optimizer
-from holotrain.memory.plan import gpu_cap_bytes, process_rss_bytes
+from holotrain.memory.plan import expandable_segments_reason, gpu_cap_bytes, process_rss_bytes
 from holotrain.model import Llama, flops_per_token, num_params
 from holotrain.optim import AdamWHyper, StepOptimizer
 from holotrain.precision import build as build_precision
@@ -182,21 +182,6 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     if report is not None:
         print(f"holotrain: report {report}")
     return rows
-
-
-def expandable_segments_reason(cfg: Config, environ) -> str | None:
-    """Why a CUDA run should use the allocator's expandable segments, or None. A capped GPU (hw.gpu_memory_gb) or an
-    offloaded run (memory.offload) works close to its memory limit, where the caching allocator's fixed-size
-    segments can lose gigabytes to fragmentation; expandable segments grow in place instead. The user's own
-    allocator settings (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF) are left alone."""
-    if environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF"):
-        return None
-    reasons = []
-    if cfg.hw.gpu_memory_gb > 0:
-        reasons.append(f"hw.gpu_memory_gb = {cfg.hw.gpu_memory_gb:g}")
-    if cfg.memory.offload:
-        reasons.append("memory.offload")
-    return " and ".join(reasons) or None
 
 
 def _set_up_gpu_memory(cfg: Config, env: DistEnv) -> None:
