@@ -15,7 +15,8 @@ Policies (`memory.activation_checkpointing`):
 The booleans true / false are accepted as "full" / "none".
 
 `memory.activation_checkpointing_blocks` = N > 0 applies "full" or "pointwise" to N blocks spread evenly over the
-depth instead of every block: memory and recomputation then fall in proportion (the planner's "how many blocks").
+depth instead of every block: the memory saved falls in proportion, the time spent less so (the planner's "how many
+blocks").
 """
 
 from __future__ import annotations
