@@ -429,7 +429,8 @@ def test_checkpointing_some_blocks_spreads_them_and_scales_memory_and_time():
     from holotrain.memory.activation_checkpointing import checkpointed_blocks, pointwise_blocks, recompute_share
     from holotrain.plan.planner import checkpointing_choices
 
-    assert pointwise_blocks("pointwise", 24, 6) == [0, 4, 8, 12, 16, 20] and checkpointed_blocks("pointwise", 24, 6) == []
+    assert pointwise_blocks("pointwise", 24, 6) == [0, 4, 8, 12, 16, 20]
+    assert checkpointed_blocks("pointwise", 24, 6) == []
     assert checkpointed_blocks("full", 24, 12) == checkpointed_blocks("selective", 24) == list(range(0, 24, 2))
     assert checkpointed_blocks("full", 24) == list(range(24)) and pointwise_blocks("none", 24, 6) == []
     assert recompute_share("full", 24, blocks=6) == pytest.approx(recompute_share("full", 24) / 4)

@@ -127,7 +127,7 @@ class DataClient:
                 gpu = self._stream is not None
                 masked = with_boundary(host.numpy()[2]) if gpu else [True] * reply["shape"][1]
                 event = None
-                if self._stream is not None:
+                if gpu:
                     with torch.cuda.stream(self._stream):
                         dev = host.to(self.device, non_blocking=True).long()
                         event = torch.cuda.Event()

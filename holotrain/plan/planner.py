@@ -105,9 +105,9 @@ def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
 
 
 # The settings a plan chooses (a candidate's keys).
-PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing", "memory.activation_checkpointing_blocks",
-                "memory.offload", "memory.offload_ratio", "training.compile", "memory.loss_chunk_tokens", "training.fp8",
-                "parallel.tp", "parallel.tp_overlap")
+PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing",
+                "memory.activation_checkpointing_blocks", "memory.offload", "memory.offload_ratio", "training.compile",
+                "memory.loss_chunk_tokens", "training.fp8", "parallel.tp", "parallel.tp_overlap")
 
 
 def held_settings(cfg: Config, overrides: list[str]) -> dict:
@@ -161,8 +161,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             if chunk and micro * cfg.data.seq_len <= chunk:
                 continue  # a micro-batch of one piece: the same step as the unchunked loss
             settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
-                        "memory.activation_checkpointing_blocks": blocks, "memory.offload": offload, "memory.offload_ratio": ratio, "training.compile": compiled,
-                        "memory.loss_chunk_tokens": chunk}
+                        "memory.activation_checkpointing_blocks": blocks, "memory.offload": offload,
+                        "memory.offload_ratio": ratio, "training.compile": compiled, "memory.loss_chunk_tokens": chunk}
             if gpu:
                 settings["training.fp8"] = fp8
             if ranks > 1:
