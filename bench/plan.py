@@ -188,9 +188,10 @@ def replay(args) -> dict:
 
 
 def _matches(settings: dict, where: list[str]) -> bool:
+    """Whether settings meet every clause section.key=value; value may list alternatives: a|b."""
     for clause in where:
-        key, _, value = clause.partition("=")
-        if as_override(key, settings.get(key)) != f"--{key}={value}":
+        key, _, values = clause.partition("=")
+        if as_override(key, settings.get(key)) not in {f"--{key}={v}" for v in values.split("|")}:
             return False
     return True
 
@@ -202,24 +203,27 @@ def _changes(a: dict, b: dict) -> int:
 
 
 def exhaustive(args) -> dict:
-    started = time.perf_counter()
-    cmd = [sys.executable, "-m", "holotrain.cli", "plan", "--out", str(args.out / "plan")]
-    cmd += (["--config", args.config] if args.config else []) + args.overrides
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    plan_s = time.perf_counter() - started
-    (args.out / "plan.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        sys.exit(f"holotrain plan failed (exit {proc.returncode}); see {args.out / 'plan.log'}")
-    plan = json.loads((args.out / "plan" / "plan.json").read_text())
-    print(f"holotrain plan: {plan_s:.0f} s; chosen {next(c['label'] for c in plan['candidates'] if c['chosen'])}",
+    if args.plan_json:  # a plan made earlier on this machine (an exhaustive check split over several calls)
+        plan, plan_s = json.loads(args.plan_json.read_text()), None
+    else:
+        started = time.perf_counter()
+        cmd = [sys.executable, "-m", "holotrain.cli", "plan", "--out", str(args.out / "plan")]
+        cmd += (["--config", args.config] if args.config else []) + args.overrides
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        plan_s = time.perf_counter() - started
+        (args.out / "plan.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode:
+            sys.exit(f"holotrain plan failed (exit {proc.returncode}); see {args.out / 'plan.log'}")
+        plan = json.loads((args.out / "plan" / "plan.json").read_text())
+    print(f"holotrain plan: {plan_s or 0:.0f} s; chosen {next(c['label'] for c in plan['candidates'] if c['chosen'])}",
           flush=True)
     fitting = [c for c in plan["candidates"] if c["predicted"]["fits"] and _matches(c["settings"], args.where)]
     chosen = next(c for c in plan["candidates"] if c["chosen"])
     if args.neighbours:
         # The settings one change away from the planned one: every other value of each key the plan chose.
         fitting = [c for c in fitting if _changes(c["settings"], chosen["settings"]) == 1]
-    if chosen not in fitting:
-        fitting.insert(0, chosen)  # the chosen one is always measured beside the others
+    if chosen not in fitting and not args.plan_json:
+        fitting.insert(0, chosen)  # the chosen one is always measured beside the others (in the call that plans)
     # Each candidate --repeats times, in rounds over all of them (a machine's drift reaches every candidate alike);
     # a candidate's figure is the median of its passes.
     passes: dict[int, list] = {i: [] for i in range(len(fitting))}
@@ -235,9 +239,10 @@ def exhaustive(args) -> dict:
             passes[i].append(m.tokens_per_s)
     rates = {i: statistics.median(ok) for i, runs in passes.items() if (ok := [r for r in runs if r])}
     best = max(rates, key=rates.get)
-    planned = next(i for i, c in enumerate(fitting) if c["chosen"])
-    return {"plan_seconds": round(plan_s, 1), "candidates_measured": len(rates), "repeats": args.repeats,
-            "where": args.where, "neighbours": args.neighbours, "planned": fitting[planned]["label"], "planned_tokens_per_s": rates.get(planned),
+    planned = next((i for i, c in enumerate(fitting) if c["chosen"]), None)
+    return {"plan_seconds": plan_s and round(plan_s, 1), "candidates_measured": len(rates), "repeats": args.repeats,
+            "where": args.where, "neighbours": args.neighbours, "planned": chosen["label"],
+            "planned_tokens_per_s": rates.get(planned),
             "best": fitting[best]["label"], "best_tokens_per_s": rates[best],
             "planned_over_best": (rates.get(planned) or 0) / rates[best],
             "spread_of_a_candidate": max((max(r) / min(r) - 1 for r in passes.values() if all(r) and len(r) > 1),
@@ -254,7 +259,10 @@ def main() -> None:
     parser.add_argument("--only", type=lambda v: [int(i) for i in v.split(",")], default=None,
                         help="sweep: only these points (1-based, after --configs)")
     parser.add_argument("--config", default=None, help="exhaustive: the job's config (default: the embedded one)")
-    parser.add_argument("--where", action="append", default=[], help="exhaustive: section.key=value")
+    parser.add_argument("--where", action="append", default=[],
+                        help="exhaustive: section.key=value, or section.key=a|b for either")
+    parser.add_argument("--plan-json", type=Path, help="exhaustive: measure the candidates of this plan.json "
+                        "instead of planning")
     parser.add_argument("--steps", type=int, default=8, help="steps per point (the later half is timed)")
     parser.add_argument("--neighbours", action="store_true",
                         help="exhaustive: only the settings one change away from the planned one (every other value "

@@ -222,6 +222,29 @@ def test_a_trial_that_waited_for_data_sets_the_loader_rate_and_the_plan_raises_d
     assert more.phases["data"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_setting_whose_trial_failed_is_not_chosen(tmp_path, monkeypatch):
+    """The first trial runs out of memory and no time is left for another: the plan chooses the best prediction
+    among the settings not tried, not the one that failed; when every trial fails, one error says so."""
+    from holotrain.config import ConfigError
+    from holotrain.plan import planner
+    from holotrain.plan.trials import Measured
+
+    tried = []
+
+    def out_of_memory(config, overrides, settings, steps, run_dir, timeout_s=600, ranks=1):
+        tried.append(dict(settings))
+        return Measured(None, None, None, None, None, None, "CUDA out of memory")
+
+    monkeypatch.setattr(planner, "run_trial", out_of_memory)
+    result = planner.make_plan(None, ["--plan.trials=1"], tmp_path / "one", log=lambda *a: None)
+    assert len(tried) == 1 and result.chosen.settings != tried[0] and result.chosen.measured is None
+    fitting = [c for c in result.candidates if c.predicted.fits and c.settings != tried[0]]
+    assert result.chosen.predicted.tokens_per_s == max(c.predicted.tokens_per_s for c in fitting)
+    n = sum(c.predicted.fits for c in result.candidates)
+    with pytest.raises(ConfigError, match="every trial failed; the last: .*CUDA out of memory"):
+        planner.make_plan(None, [f"--plan.trials={n}", "--plan.seconds=100000"], tmp_path / "all", log=lambda *a: None)
+
+
 @pytest.mark.slow
 def test_plan_for_two_processes_tries_tensor_and_data_parallelism(tmp_path):
     """--nproc 2 (gloo on a CPU): the candidates include TP=2 and FSDP over 2 ranks, the trial runs under torchrun,

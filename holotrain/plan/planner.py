@@ -330,10 +330,14 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
         calibrate(calib, best, machine, repredict)
         predict_all()
     ran = [c for c in tried if not c.measured.error]
+    failed = [c for c in tried if c.measured.error]
     if ran:
         chosen = max(ran, key=lambda c: _measured_score(cfg, c.measured))
+    elif len(failed) < len(fitting):
+        # A setting whose trial failed (out of memory, say) is not chosen on its prediction.
+        chosen = max((c for c in fitting if c not in failed), key=lambda c: score(c.predicted))
     else:
-        chosen = max(fitting, key=lambda c: score(c.predicted))
+        raise ConfigError(f"every trial failed; the last: {failed[-1].label}: {failed[-1].measured.error}")
     blocking = chosen.predicted.save_s
     step_s = chosen.measured.step_s if chosen.measured and chosen.measured.step_s else chosen.predicted.step_s
     every = young_daly_steps(blocking, cfg.job.mtbf_hours, step_s)

@@ -1,0 +1,153 @@
+"""Attention within documents of packed rows, forward and backward, at the 1.4b's shape on one GPU: the kernels the
+model can take for a micro-batch that holds document boundaries, timed on document ids the data plane produced (or
+on synthetic ones), each checked against flex attention's output and gradients.
+
+  python bench/doc_attention.py [--doc-ids FILE.npy] [--batch 8 --seq-len 2048 --heads 16 --head-dim 128]
+
+Kernels: cuDNN's causal kernel without a mask (the speed of an unmasked micro-batch; wrong across documents),
+flex attention with a document BlockMask (default and tuned kernel options, max-autotune), and cuDNN's causal
+kernel with an additive bias that blocks attention across documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def synthetic_doc_ids(n: int, B: int, T: int, single_row_share: float, gen: np.random.Generator) -> np.ndarray:
+    """Rows that hold one document piece with probability single_row_share, else 2-16 pieces cut at random places."""
+    out = np.zeros((n, B, T), dtype=np.int64)
+    for i in range(n):
+        doc = 0
+        for r in range(B):
+            pieces = 1 if gen.random() < single_row_share else int(gen.integers(2, 17))
+            cuts = np.sort(gen.choice(np.arange(1, T), pieces - 1, replace=False))
+            ids = np.zeros(T, dtype=np.int64)
+            for c in cuts:
+                ids[c:] += 1
+            out[i, r] = ids + doc
+            doc += pieces
+    return out
+
+
+def timed(f, n: int = 10) -> float:
+    """Median milliseconds of f() over n runs after warm-up, CUDA events around each."""
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        f()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--doc-ids", help=".npy of document ids [n, B, T] (default: synthetic, 71%% single-document rows)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batches", type=int, default=8, help="micro-batches of document ids to time")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    B, T, H, D = a.batch, a.seq_len, a.heads, a.head_dim
+    ids = np.load(a.doc_ids) if a.doc_ids else synthetic_doc_ids(a.batches, B, T, 0.71, np.random.default_rng(0))
+    ids = torch.from_numpy(ids[: a.batches, :B, :T]).to(dev)
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}, "
+          f"B={B} T={T} H={H} D={D}, {ids.shape[0]} micro-batches, rows with a boundary "
+          f"{(ids[..., 1:] != ids[..., :-1]).any(-1).float().mean().item():.2f}")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16)
+
+    def block_mask(d):
+        def same_doc_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (d[b, q_idx] == d[b, kv_idx])
+        return create_block_mask(same_doc_causal, B, None, T, T, device=dev)
+
+    def bias_of(d):
+        """Additive bias [B, 1, T, T]: 0 within a document, -inf across (the kernel's causal mask does the rest)."""
+        same = d[:, None, :, None] == d[:, None, None, :]
+        return torch.zeros(same.shape, dtype=q.dtype, device=dev).masked_fill_(~same, float("-inf"))
+
+    masks = [block_mask(d) for d in ids]
+    biases = [bias_of(d) for d in ids]
+    flex_default = torch.compile(flex_attention, dynamic=False)
+    flex_tuned = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+
+    def cudnn_causal(i):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def cudnn_bias(i):
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, biases[i].expand(B, H, T, T), True, 0.0,
+                                                                  True, False)[0]
+
+    @torch.compile(dynamic=False, fullgraph=True)
+    def cudnn_bias_compiled_fn(q, k, v, bias):
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q * 1.0, k, v, bias.expand(B, H, T, T), True, 0.0,
+                                                                  True, False)[0]
+
+    def flex(fn, options=None):
+        return lambda i: fn(q, k, v, block_mask=masks[i], kernel_options=options)
+
+    kernels = {"cuDNN causal, no mask (wrong across documents)": cudnn_causal,
+               "flex, document mask": flex(flex_default),
+               "cuDNN causal + document bias": cudnn_bias,
+               "cuDNN causal + document bias, compiled": lambda i: cudnn_bias_compiled_fn(q, k, v, biases[i])}
+    for name, opts in [("flex, 128x64 w8 s2 fwd", {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}),
+                       ("flex, bwd 64x128/128x64 w8", {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128,
+                                                       "BLOCK_N2": 64, "num_warps": 8}),
+                       ("flex, bwd 32x128/128x32 w4 s3", {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128,
+                                                          "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3})]:
+        kernels[name] = flex(flex_default, opts)
+    kernels["flex, max-autotune"] = flex(flex_tuned)
+
+    def fwd_bwd(f, i):
+        for t in (q, k, v):
+            t.grad = None
+        y = f(i)
+        y.backward(g)
+        return y
+
+    def run(f, i):
+        y = fwd_bwd(f, i)
+        return y.detach(), [t.grad.clone() for t in (q, k, v)]
+
+    refs = [run(kernels["flex, document mask"], i) for i in range(len(masks))]
+    for name, f in kernels.items():
+        try:
+            t0 = time.perf_counter()
+            got = run(f, 0)
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - t0
+            y_err = max((run(f, i)[0].float() - refs[i][0].float()).abs().max().item() for i in range(len(masks)))
+            y, grads = run(f, len(masks) - 1)
+            g_err = max((a_.float() - b_.float()).abs().max().item() / b_.float().abs().max().item()
+                        for a_, b_ in zip(grads, refs[-1][1]))
+            ms = statistics.mean(timed(lambda i=i: fwd_bwd(f, i)) for i in range(len(masks)))
+            del got
+            print(f"{name:52s} {ms:7.3f} ms fwd+bwd   output max |diff| vs flex {y_err:.4f}, gradient max rel "
+                  f"{g_err:.4f}, first call {first_s:.1f} s")
+        except Exception as e:  # a kernel or option this build does not support: say so and go on
+            print(f"{name:52s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+if __name__ == "__main__":
+    main()
