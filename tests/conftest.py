@@ -20,9 +20,11 @@ def corpus_cache(tmp_path_factory):
 
 
 def tiny_args(run_dir, **overrides) -> list[str]:
-    """Command-line overrides for a model small enough to train in seconds on a CPU."""
+    """Command-line overrides for a model small enough to train in seconds on a CPU (on the CPU also on a machine
+    with a GPU, where "auto" would take it: a test that wants the GPU says job.device = cuda)."""
     base = {
         "job.run_dir": str(run_dir),
+        "job.device": "cpu",
         "model.dim": 64,
         "model.n_layers": 2,
         "model.n_heads": 4,

@@ -11,14 +11,13 @@ pytest.importorskip("torchao")
 
 def test_fp8_on_a_cpu_is_one_config_error_and_auto_says_why_it_is_off(tmp_path):
     for recipe in ("tensorwise", "rowwise"):
-        proc = run_cli_here("train", *tiny_args(tmp_path / recipe, **{"training.fp8": recipe, "job.device": "cpu"}))
+        proc = run_cli_here("train", *tiny_args(tmp_path / recipe, **{"training.fp8": recipe}))
         assert proc.returncode == 2 and "training.fp8" in proc.stderr and "Traceback" not in proc.stderr
     fused = {"training.fp8": "tensorwise", "training.fp8_emulate": True, "parallel.tp": 2,
              "parallel.tp_overlap": "fused"}
     proc = run_cli_here("train", *tiny_args(tmp_path / "tp", **fused))
     assert proc.returncode == 2 and "parallel.tp_overlap = 'none'" in proc.stderr, proc.stderr
-    proc = run_cli("train", *tiny_args(tmp_path / "auto", **{"training.fp8": "auto", "training.steps": 2,
-                                                              "job.device": "cpu"}))
+    proc = run_cli("train", *tiny_args(tmp_path / "auto", **{"training.fp8": "auto", "training.steps": 2}))
     assert "training.fp8 = auto -> none (cpu has no FP8 matmuls)" in proc.stdout
 
 
