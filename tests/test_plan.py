@@ -302,6 +302,10 @@ MEASURED_PEAKS = [
              "memory.loss_chunk_tokens": 0}, 145.8),
     ("14b", {"memory.activation_checkpointing": "selective", "training.fp8": "tensorwise", "memory.offload_ratio": 0.5,
              "memory.loss_chunk_tokens": 0}, 129.0),
+    ("14b", {"memory.activation_checkpointing": "none", "training.fp8": "tensorwise", "memory.offload_ratio": 0.5,
+             "memory.loss_chunk_tokens": 0}, 143.3),
+    ("14b", {"memory.activation_checkpointing": "full", "memory.activation_checkpointing_blocks": 33,
+             "training.fp8": "tensorwise", "memory.offload_ratio": 0.5, "memory.loss_chunk_tokens": 0}, 129.1),
 ]
 
 
