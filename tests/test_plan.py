@@ -13,7 +13,7 @@ from tests.conftest import REPO, read_metrics, run_cli, run_cli_here, tiny_args
 def default_plan(tmp_path_factory):
     """The default job (the embedded tiny model) planned on this CPU with two trials."""
     out = tmp_path_factory.mktemp("plan")
-    proc = run_cli("plan", "--out", str(out), "--plan.trials=2", "--plan.trial_steps=12",
+    proc = run_cli("plan", "--out", str(out), "--plan.trials=2", "--plan.trial_steps=16",
                    f"--job.run_dir={out / 'run'}")
     return out, proc
 
