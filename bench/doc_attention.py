@@ -24,6 +24,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from holotrain.hw.probe import cuda_event_median  # noqa: E402
+
 
 def synthetic_doc_ids(n: int, B: int, T: int, single_row_share: float, gen: np.random.Generator) -> np.ndarray:
     """Rows that hold one document piece with probability single_row_share, else 2-16 pieces cut at random places."""
@@ -39,22 +41,6 @@ def synthetic_doc_ids(n: int, B: int, T: int, single_row_share: float, gen: np.r
             out[i, r] = ids + doc
             doc += pieces
     return out
-
-
-def timed(f, n: int = 10) -> float:
-    """Median milliseconds of f() over n runs after warm-up, CUDA events around each."""
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        f()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -141,7 +127,8 @@ def main() -> None:
             y, grads = run(f, len(masks) - 1)
             g_err = max((a_.float() - b_.float()).abs().max().item() / b_.float().abs().max().item()
                         for a_, b_ in zip(grads, refs[-1][1]))
-            ms = statistics.mean(timed(lambda i=i: fwd_bwd(f, i)) for i in range(len(masks)))
+            ms = 1e3 * statistics.mean(cuda_event_median(lambda i=i: fwd_bwd(f, i), 10, warmup=3)
+                                        for i in range(len(masks)))
             del got
             print(f"{name:52s} {ms:7.3f} ms fwd+bwd   output max |diff| vs flex {y_err:.4f}, gradient max rel "
                   f"{g_err:.4f}, first call {first_s:.1f} s")

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holotrain.config import load_config, resolve  # noqa: E402
 from holotrain.hw import peak_bf16_flops  # noqa: E402
+from holotrain.hw.probe import cuda_event_median  # noqa: E402
 from holotrain.model import flops_per_token  # noqa: E402
 from holotrain.parallel import DistEnv  # noqa: E402
 from holotrain.train.trainer import TrainStep, build_model, build_optimizer, model_args  # noqa: E402
@@ -266,18 +267,7 @@ def attention_micro(a, device):
             with sdpa_kernel([backend]):
                 def f():
                     F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
-                for _ in range(5):
-                    f()
-                torch.cuda.synchronize()
-                ts = []
-                for _ in range(20):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    f()
-                    e.record()
-                    e.synchronize()
-                    ts.append(s.elapsed_time(e))
-            ms = statistics.median(ts)
+                ms = cuda_event_median(f, 20, warmup=5) * 1e3
             flops = 4 * B * H * T * T * D * 3.5 / 2  # fwd 2 matmuls + bwd 5, causal half
             out[name] = {"ms": ms, "tflops": flops / ms / 1e9}
         except Exception as e:  # a backend that refuses the shape

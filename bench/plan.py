@@ -244,7 +244,7 @@ def exhaustive(args) -> dict:
             "where": args.where, "neighbours": args.neighbours, "planned": chosen["label"],
             "planned_tokens_per_s": rates.get(planned),
             "best": fitting[best]["label"], "best_tokens_per_s": rates[best],
-            "planned_over_best": (rates.get(planned) or 0) / rates[best],
+            "planned_over_best": rates[planned] / rates[best] if planned in rates else None,
             "spread_of_a_candidate": max((max(r) / min(r) - 1 for r in passes.values() if all(r) and len(r) > 1),
                                          default=None)}
 

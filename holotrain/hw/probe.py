@@ -172,8 +172,8 @@ def _gemm_loop(a, b, c, seconds: float, depth: int = 8) -> list[float]:
     return [ev[k].elapsed_time(ev[k + 1]) / 1e3 for k in range(len(ev) - 1)]
 
 
-def _event_median(fn, reps: int, warmup: int = 2) -> float:
-    """Median seconds of fn() on the current stream, by CUDA events."""
+def cuda_event_median(fn, reps: int, warmup: int = 2) -> float:
+    """Median seconds of fn() on the current stream, by CUDA events, after `warmup` untimed calls."""
     import torch
 
     for _ in range(warmup):
@@ -207,9 +207,9 @@ def _copies(dev, budget_s: float, errors: list[str]) -> dict:
         h.copy_(d1)
         torch.cuda.synchronize()
         reps = 10 if budget_s >= 2 else 4
-        out["h2d_gb_s"] = nbytes / _event_median(lambda: d2.copy_(h, non_blocking=True), reps) / 1e9
-        out["d2h_gb_s"] = nbytes / _event_median(lambda: h.copy_(d1, non_blocking=True), reps) / 1e9
-        out["d2d_gb_s"] = nbytes / _event_median(lambda: d2.copy_(d1), reps) / 1e9
+        out["h2d_gb_s"] = nbytes / cuda_event_median(lambda: d2.copy_(h, non_blocking=True), reps) / 1e9
+        out["d2h_gb_s"] = nbytes / cuda_event_median(lambda: h.copy_(d1, non_blocking=True), reps) / 1e9
+        out["d2d_gb_s"] = nbytes / cuda_event_median(lambda: d2.copy_(d1), reps) / 1e9
         m = min(n, 64 * 2**20 // 4)
         hp = torch.empty(m, dtype=torch.float32)  # pageable
         hp.copy_(h[:m])

@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import torch
 
+from holotrain.hw.probe import cuda_event_median
+
 MIN_GAIN = 1.05  # below this, the casts' rounding error is not worth buying
 _CAST_BYTES = 2 * (2 + 2 + 1)  # per element of an operand: two casts, each reading bf16 twice and writing FP8 once
-
-
-def _time(fn, reps: int = 20) -> float:
-    """Median seconds of fn() on the current stream, after a warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second of a large device-to-device copy (read and write counted)."""
     a = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    return 2 * a.numel() / _time(lambda: b.copy_(a))
+    return 2 * a.numel() / cuda_event_median(lambda: b.copy_(a), 20, warmup=3)
 
 
 def _fp8(x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +33,7 @@ def gemm_times(tokens: int, k: int, n: int, device: torch.device) -> tuple[float
     x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
     g = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
-    bf16 = _time(lambda: (x @ w.t(), g @ w, g.t() @ x))
+    bf16 = cuda_event_median(lambda: (x @ w.t(), g @ w, g.t() @ x), 20, warmup=3)
     one = torch.ones((), device=device)
     # _scaled_mm(a, b): a row-major, b column-major (the transpose of a row-major tensor).
     fwd = (_fp8(x), _fp8(w).t())  # x @ w^T
@@ -57,7 +44,7 @@ def gemm_times(tokens: int, k: int, n: int, device: torch.device) -> tuple[float
         for a, b in (fwd, grad_in, grad_w):
             torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
-    return bf16, _time(fp8)
+    return bf16, cuda_event_median(fp8, 20, warmup=3)
 
 
 def predict(shapes: dict[tuple[int, int], int], tokens: int, device: torch.device) -> list[dict]:
