@@ -1,4 +1,5 @@
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -11,12 +12,50 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _session_root(tmp_path_factory) -> Path:
+    """A folder every test process of this run shares: pytest-xdist gives each worker its own base folder, under a
+    common parent."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def corpus_cache(tmp_path_factory):
-    """One corpus/tokenizer cache for the whole session, outside the user's home."""
-    cache = tmp_path_factory.mktemp("holotrain-cache")
+    """One corpus/tokenizer cache for the whole run, outside the user's home (builds publish by rename, so workers
+    that build it at once leave one copy)."""
+    cache = _session_root(tmp_path_factory) / "holotrain-cache"
+    cache.mkdir(exist_ok=True)
     os.environ["HOLOTRAIN_CACHE"] = str(cache)
     return cache
+
+
+@pytest.fixture(scope="session")
+def _machine_lock(tmp_path_factory) -> Path:
+    return _session_root(tmp_path_factory) / "machine.lock"
+
+
+@pytest.fixture(autouse=True)
+def _shares_the_machine(_machine_lock):
+    """Tests run two at a time (pytest-xdist); each holds the machine lock shared, so that one that times the
+    machine (quiet_machine) runs alone."""
+    with _machine_lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def quiet_machine(lock: Path):
+    """The machine to this test alone: waits for the tests running beside it to finish and keeps others from
+    starting (for a fixture whose measurements of time other tests' work would skew)."""
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def tiny_args(run_dir, **overrides) -> list[str]:

@@ -6,15 +6,17 @@ import tomllib
 import pytest
 import torch
 
-from tests.conftest import REPO, read_metrics, run_cli, run_cli_here, tiny_args
+from tests.conftest import REPO, quiet_machine, read_metrics, run_cli, run_cli_here, tiny_args
 
 
 @pytest.fixture(scope="module")
-def default_plan(tmp_path_factory):
-    """The default job (the embedded tiny model) planned on this CPU with two trials."""
+def default_plan(tmp_path_factory, _machine_lock):
+    """The default job (the embedded tiny model) planned on this CPU with two trials, with no other test running:
+    the trials time the machine."""
     out = tmp_path_factory.mktemp("plan")
-    proc = run_cli("plan", "--out", str(out), "--plan.trials=2", "--plan.trial_steps=16",
-                   f"--job.run_dir={out / 'run'}")
+    with quiet_machine(_machine_lock):
+        proc = run_cli("plan", "--out", str(out), "--plan.trials=2", "--plan.trial_steps=16",
+                       f"--job.run_dir={out / 'run'}")
     return out, proc
 
 
@@ -40,12 +42,19 @@ def test_plan_of_the_default_job_writes_the_overlay_and_every_candidate(default_
 
 
 def test_calibrated_prediction_of_the_cpu_step_time(default_plan):
-    """The second trial was predicted with what the first measured: within 25% of what it measured."""
+    """The cost model, calibrated by the trials, predicts each trial's CPU step time within 25% of what it measured.
+    The second trial, predicted from the first's measurement alone, within 40%: two 8-step trials of one setting on
+    a 2-core virtual machine differ by 15% (one standard deviation; bench/RESULTS.md), so a held-out comparison
+    at 25% would fail about one run in nine on the machine's noise alone."""
     out, _ = default_plan
-    second = [r for r in json.loads((out / "plan.json").read_text())["candidates"] if r["measured"]]
-    second = [r for r in second if r["predicted_at_trial"]["step_s"] < 10 * r["measured"]["step_s"]]
-    predicted, measured = second[-1]["predicted_at_trial"]["step_s"], second[-1]["measured"]["step_s"]
-    assert abs(predicted - measured) / measured <= 0.25, (predicted, measured)
+    tried = [r for r in json.loads((out / "plan.json").read_text())["candidates"] if r["measured"]]
+    assert len(tried) == 2
+    for r in tried:
+        predicted, measured = r["predicted"]["step_s"], r["measured"]["step_s"]
+        assert abs(predicted - measured) / measured <= 0.25, (r["label"], predicted, measured)
+    second = max(tried, key=lambda r: r["trial"])
+    predicted, measured = second["predicted_at_trial"]["step_s"], second["measured"]["step_s"]
+    assert abs(predicted - measured) / measured <= 0.40, (predicted, measured)
 
 
 def test_train_takes_a_plan_and_refuses_another_jobs_or_machines(default_plan, tmp_path):

@@ -54,6 +54,7 @@ class Candidate:
     predicted: Prediction | None = None
     predicted_at_trial: dict | None = None  # the prediction when it was chosen for a trial, before its measurement
     measured: Measured | None = None
+    trial: int | None = None  # its trial's number (1 first), when it was tried
 
     @property
     def label(self) -> str:
@@ -317,7 +318,7 @@ def make_plan(config: str | None, overrides: list[str], out_dir: Path, machine: 
             break
         started = time.perf_counter()
         best = max(left, key=lambda c: score(c.predicted))
-        best.predicted_at_trial = prediction_dict(best.predicted)
+        best.predicted_at_trial, best.trial = prediction_dict(best.predicted), i + 1
         log(f"holotrain: plan: trial {i + 1}/{cfg.plan.trials}: {best.label} (predicted "
             f"{best.predicted.tokens_per_s:,.0f} tokens/s)")
         best.measured = run_trial(config, overrides, best.settings, cfg.plan.trial_steps,
@@ -407,7 +408,7 @@ def write_plan(result: PlanResult, cfg: Config, out_dir: Path) -> None:
     for cand in sorted(result.candidates, key=lambda x: -x.predicted.tokens_per_s):
         rows.append({"label": cand.label, "settings": cand.settings, "micro": cand.micro, "accum": cand.accum,
                      "predicted": prediction_dict(cand.predicted),
-                     "predicted_at_trial": cand.predicted_at_trial,
+                     "trial": cand.trial, "predicted_at_trial": cand.predicted_at_trial,
                      "measured": dataclasses.asdict(cand.measured) if cand.measured else None,
                      "chosen": cand is c})
     (out_dir / "plan.json").write_text(json.dumps({
