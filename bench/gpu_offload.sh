@@ -74,7 +74,7 @@ for s in ${stages//,/ }; do
     test) t=$(( $(left) < 150 ? $(left) : 150 ))
           if (( t >= 60 )); then
             echo "== [$SECONDS s] GPU offload test (cap $t s)"
-            timeout -k 5 "$t" python3 -m pytest -v -s -x tests/test_offload.py -m gpu -p no:cacheprovider \
+            timeout -k 5 "$t" python3 -m pytest -n 0 -v -s -x tests/test_offload.py -m gpu -p no:cacheprovider \
               --durations=5 > "$out/gpu_test.log" 2>&1
             echo "gpu tests rc=$?"; tail -15 "$out/gpu_test.log"
           else

@@ -24,4 +24,4 @@ r = analyze(load_telemetry("/tmp/run-1.4b/telemetry.jsonl"), read_jsonl("/tmp/ru
 print("\n".join(summarize(r)))
 print({k: r.get(k) for k in ("energy_j", "energy_j_integrated", "sustained_clock_mhz", "burst_clock_mhz", "clock_loss_frac", "clock_normalized_mfu")})
 PY
-python3 -m pytest -q tests/test_gpu.py tests/test_telemetry.py 2>&1 | tail -3
+python3 -m pytest -n 0 -q tests/test_gpu.py tests/test_telemetry.py 2>&1 | tail -3
