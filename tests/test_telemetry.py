@@ -523,9 +523,13 @@ def _energy_sum_worker(rank: int, world: int, init_file: str, has_sampler: list,
         handle = fake.nvmlDeviceGetHandleByIndex(0)
         tel = Telemetry([0], None, hz=100.0, nvml=fake, devices=[0])
         tel.start()
+    # Both windows open together and last long enough that the ranks' skew at the all-reduce in metrics() (which
+    # `mine` counts and the window does not) stays a small share, on a machine busy with other tests too.
+    dist.barrier()
+    if tel is not None:
         tel.window()
         e0 = fake.nvmlDeviceGetTotalEnergyConsumption(handle)
-        time.sleep(0.3)
+        time.sleep(1.0)
     hardware = Hardware(HwConfig(), env, Path(init_file).parent)
     hardware.telemetry = tel  # the lever samples only CUDA devices itself; here it reports a fake card's sampler
     fields = hardware.metrics(steps=2, tokens_per_step=100)
