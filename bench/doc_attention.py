@@ -5,8 +5,12 @@ on synthetic ones), each checked against flex attention's output and gradients.
   python bench/doc_attention.py [--doc-ids FILE.npy] [--batch 8 --seq-len 2048 --heads 16 --head-dim 128]
 
 Kernels: cuDNN's causal kernel without a mask (the speed of an unmasked micro-batch; wrong across documents),
-flex attention with a document BlockMask (default and tuned kernel options, max-autotune), and cuDNN's causal
-kernel with an additive bias that blocks attention across documents.
+flex attention with a document BlockMask (default and tuned kernel options, max-autotune), cuDNN's causal
+kernel with an additive bias that blocks attention across documents, and a split by rows: the rows that hold one
+document through cuDNN's causal kernel, the rest through flex. The split times rows already ordered one-document
+rows first (an order the host can give a micro-batch before it is copied to the GPU; the mean loss does not depend
+on it), with the masked group exactly as large as the rows with a boundary, or rounded up to a power of two (at most
+log2(B) + 1 shapes to compile; a one-document row under the document mask is still exact).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=8, help="micro-batches of document ids to time")
     a = p.parse_args()
     dev = torch.device("cuda")
+    # One compiled flex kernel per micro-batch shape the split makes (the default limit is 8 per function).
+    torch._dynamo.config.cache_size_limit = 64
     B, T, H, D = a.batch, a.seq_len, a.heads, a.head_dim
     ids = np.load(a.doc_ids) if a.doc_ids else synthetic_doc_ids(a.batches, B, T, 0.71, np.random.default_rng(0))
     ids = torch.from_numpy(ids[: a.batches, :B, :T]).to(dev)
@@ -66,7 +72,7 @@ def main() -> None:
     def block_mask(d):
         def same_doc_causal(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (d[b, q_idx] == d[b, kv_idx])
-        return create_block_mask(same_doc_causal, B, None, T, T, device=dev)
+        return create_block_mask(same_doc_causal, d.shape[0], None, T, T, device=dev)
 
     def bias_of(d):
         """Additive bias [B, 1, T, T]: 0 within a document, -inf across (the kernel's causal mask does the rest)."""
@@ -105,6 +111,40 @@ def main() -> None:
         kernels[name] = flex(flex_default, opts)
     kernels["flex, max-autotune"] = flex(flex_tuned)
 
+    # The split: per micro-batch, its rows in one-document-first order, and how many lead without a mask.
+    boundary = (ids[..., 1:] != ids[..., :-1]).any(-1)  # [n, B]
+    order = [torch.sort(b.int(), stable=True).indices for b in boundary]
+    ordered = [d[o] for d, o in zip(ids, order)]
+    ordered_masks = [block_mask(d) for d in ordered]
+
+    def split(power_of_two: bool):
+        plain = []
+        for b in boundary:
+            masked = int(b.sum())
+            if power_of_two and masked:
+                masked = min(B, 1 << (masked - 1).bit_length())
+            plain.append(B - masked)
+        group_masks = [block_mask(d[p:]) if p < B else None for d, p in zip(ordered, plain)]
+
+        def f(i):
+            p = plain[i]
+            if p == 0:
+                return flex_default(q, k, v, block_mask=ordered_masks[i])
+            if p == B:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.cat([F.scaled_dot_product_attention(q[:p], k[:p], v[:p], is_causal=True),
+                              flex_default(q[p:], k[p:], v[p:], block_mask=group_masks[i])])
+        return f, plain
+
+    split_exact, plain_exact = split(False)
+    split_pow2, plain_pow2 = split(True)
+    print(f"split: one-document rows per micro-batch {plain_exact}; unmasked with the masked group rounded up to a "
+          f"power of two {plain_pow2}")
+    kernels["split by rows (masked group exact)"] = split_exact
+    kernels["split by rows (masked group to a power of two)"] = split_pow2
+    # The split's reference: flex with the document mask of the rows in their new order.
+    split_refs = {name for name in kernels if name.startswith("split")}
+
     def fwd_bwd(f, i):
         for t in (q, k, v):
             t.grad = None
@@ -117,16 +157,18 @@ def main() -> None:
         return y.detach(), [t.grad.clone() for t in (q, k, v)]
 
     refs = [run(kernels["flex, document mask"], i) for i in range(len(masks))]
+    ordered_refs = [run(lambda j: flex_default(q, k, v, block_mask=ordered_masks[j]), i) for i in range(len(masks))]
     for name, f in kernels.items():
+        ref = ordered_refs if name in split_refs else refs
         try:
             t0 = time.perf_counter()
             got = run(f, 0)
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
-            y_err = max((run(f, i)[0].float() - refs[i][0].float()).abs().max().item() for i in range(len(masks)))
+            y_err = max((run(f, i)[0].float() - ref[i][0].float()).abs().max().item() for i in range(len(masks)))
             y, grads = run(f, len(masks) - 1)
             g_err = max((a_.float() - b_.float()).abs().max().item() / b_.float().abs().max().item()
-                        for a_, b_ in zip(grads, refs[-1][1]))
+                        for a_, b_ in zip(grads, ref[-1][1]))
             ms = 1e3 * statistics.mean(cuda_event_median(lambda i=i: fwd_bwd(f, i), 10, warmup=3)
                                         for i in range(len(masks)))
             del got
