@@ -131,4 +131,6 @@ def sigkill_after(args: list[str], run_dir, kill_after: int, sig=None) -> int:
     # SIGTERM unwinds the run (the checkpoint writer finishes), then exits with 128 + 15.
     expected = -signal.SIGKILL if sig == signal.SIGKILL else 128 + sig
     assert proc.returncode == expected, f"run ended with {proc.returncode}, not by the signal at step {kill_after}"
-    return len(read_metrics(run_dir))
+    from holotrain.jsonl import read_jsonl
+
+    return len(read_jsonl(metrics))  # whole rows: the kill may have cut the last one short
