@@ -3,7 +3,6 @@ real corpus, clipping as configured) for a few steps in a scratch run directory,
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -11,6 +10,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from holotrain.jsonl import read_jsonl
 
 _UNTIMED = 2  # the first steps: compilation, allocator and clock warm-up
 
@@ -66,8 +67,8 @@ def run_trial(config: str | None, overrides: list[str], settings: dict, steps: i
              "--profile.report=false", "--profile.tensorboard=false", "--profile.progress=false"]
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env)
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-            if (run_dir / "metrics.jsonl").is_file() else []
+        # A trial killed mid-row (out of host memory, say) leaves its last row cut short: whole rows only.
+        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
         if proc.returncode != 0 or not rows:
             lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
             why = lines[-1] if lines else f"exit {proc.returncode}"
