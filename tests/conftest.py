@@ -110,9 +110,9 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def sigkill_after(args: list[str], run_dir, kill_after: int, sig=None) -> int:
-    """Runs `holotrain <args>` and SIGKILLs it (or sends `sig`) once metrics.jsonl holds `kill_after` rows; returns
-    the rows logged."""
+def sigkill_after(args: list[str], run_dir, kill_after: int, sig=None, until=None) -> int:
+    """Runs `holotrain <args>` and SIGKILLs it (or sends `sig`) once metrics.jsonl holds `kill_after` rows (and
+    `until()` holds, when given); returns the rows logged."""
     import signal
     import time
 
@@ -123,7 +123,7 @@ def sigkill_after(args: list[str], run_dir, kill_after: int, sig=None) -> int:
     metrics = Path(run_dir) / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after and (until is None or until()):
             proc.send_signal(sig)
             break
         time.sleep(0.002)

@@ -5,12 +5,13 @@ with fp32 working weights, so offloaded training must reproduce plain training w
 """
 
 import collections
+import json
 import random
 
 import pytest
 import torch
 
-from holotrain.train.checkpoint import SafeFileSystemReader, latest_checkpoint
+from holotrain.train.checkpoint import SafeFileSystemReader, latest_checkpoint, memory_root
 from tests.conftest import read_metrics, run_cli, sigkill_after, tiny_args
 from tests.test_distributed import torchrun
 
@@ -63,11 +64,22 @@ def test_offload_resume_from_an_in_memory_snapshot_is_exact(offload_run, tmp_pat
     """Snapshots in RAM every step and disk saves every 5, the offloaded state held for both (one at a time: a
     snapshot due while a disk save holds it copies instead): killed mid-run, the resume from RAM is exact."""
     run_dir = tmp_path / "ram"
-    args = ["train", *tiny_args(run_dir, **{**COMMON, "memory.offload": True, "checkpoint.every": 5,
+    args = ["train", *tiny_args(run_dir, **{**COMMON, "memory.offload": True, "checkpoint.every": 10,
                                             "checkpoint.memory_every": 1})]
-    # Killed after step 12 (or a step later): between disk saves, so the newest state is a snapshot in RAM. (Killed
-    # just after a disk save, the snapshot of that step may not have landed and the disk checkpoint is as new.)
-    killed_at = sigkill_after(args, run_dir, 12)
+
+    def snapshot_after_the_disk_save() -> bool:
+        """A whole snapshot of step 11 or later is in RAM (a slot's header is written once its data is whole)."""
+        for header in (memory_root(run_dir) / "rank-0" / "own").glob("slot-*.json"):
+            try:
+                if json.loads(header.read_text())["step"] > 10:
+                    return True
+            except (OSError, ValueError, KeyError):
+                continue
+        return False
+
+    # Killed after step 12 or later, once a snapshot newer than the disk save at step 10 has landed (snapshots are
+    # written in the background; on a busy machine one can land steps after its own), before the next save at 20.
+    killed_at = sigkill_after(args, run_dir, 12, until=snapshot_after_the_disk_save)
     proc = run_cli(*args)
     assert "resuming from the in-memory snapshot" in proc.stdout, proc.stdout
     assert curve(run_dir) == curve(offload_run), f"killed after step {killed_at}"
