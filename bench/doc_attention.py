@@ -16,6 +16,7 @@ log2(B) + 1 shapes to compile; a one-document row under the document mask is sti
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,6 +57,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batches", type=int, default=8, help="micro-batches of document ids to time")
+    p.add_argument("--only", nargs="*", help="time only the kernels whose names hold one of these words")
     a = p.parse_args()
     dev = torch.device("cuda")
     # One compiled flex kernel per micro-batch shape the split makes (the default limit is 8 per function).
@@ -111,6 +114,39 @@ def main() -> None:
         kernels[name] = flex(flex_default, opts)
     kernels["flex, max-autotune"] = flex(flex_tuned)
 
+    # Documents as sequences of their own: FlashAttention's variable-length kernel on [B*T, H, D] tensors (the layout
+    # the model's projections give before their transpose), cut at every document and row boundary. max_q = T for
+    # every micro-batch (blocks past a sequence's end exit early), so one compiled shape serves all.
+    def flash_causal(i):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    kernels["flash (FA2) causal, no mask (wrong across documents)"] = flash_causal
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        causal = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
+                  else {"window_size": (-1, 0)})
+        cu = []
+        for d in ids:
+            starts = torch.ones(B, T, dtype=torch.bool, device=dev)
+            starts[:, 1:] = d[:, 1:] != d[:, :-1]
+            cu.append(torch.cat([starts.flatten().nonzero().flatten(),
+                                 torch.tensor([B * T], device=dev)]).to(torch.int32))
+        print(f"varlen: sequences per micro-batch {[len(c) - 1 for c in cu]}")
+
+        def varlen(i):
+            thd = [t.transpose(1, 2).reshape(B * T, H, D) for t in (q, k, v)]
+            y = varlen_attn(*thd, cu[i], cu[i], T, T, **causal)
+            return y.view(B, T, H, D).transpose(1, 2)
+        kernels["varlen (FA2), documents as sequences (+ layout copies)"] = varlen
+        qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        gt = g.transpose(1, 2).contiguous().view(B * T, H, D)
+        varlen_only_ms = 1e3 * statistics.mean(cuda_event_median(
+            lambda i=i: varlen_attn(qt.view(B * T, H, D), kt.view(B * T, H, D), vt.view(B * T, H, D), cu[i], cu[i],
+                                    T, T, **causal).backward(gt), 10, warmup=3) for i in range(len(cu)))
+        print(f"{'varlen (FA2), [B*T, H, D] inputs, no layout copies':52s} {varlen_only_ms:7.3f} ms fwd+bwd")
+    except (ImportError, RuntimeError) as e:
+        print(f"varlen attention unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
     # The split: per micro-batch, its rows in one-document-first order, and how many lead without a mask.
     boundary = (ids[..., 1:] != ids[..., :-1]).any(-1)  # [n, B]
     order = [torch.sort(b.int(), stable=True).indices for b in boundary]
@@ -144,6 +180,9 @@ def main() -> None:
     kernels["split by rows (masked group to a power of two)"] = split_pow2
     # The split's reference: flex with the document mask of the rows in their new order.
     split_refs = {name for name in kernels if name.startswith("split")}
+
+    if a.only:
+        kernels = {n: f for n, f in kernels.items() if n == "flex, document mask" or any(w in n for w in a.only)}
 
     def fwd_bwd(f, i):
         for t in (q, k, v):
