@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from holotrain.data.client import one_document_rows_first
+from holotrain.data.client import with_boundary
 from holotrain.data.corpus import prepare_tokenizer
 from holotrain.data.mixture import Mixture, weight_at
 from holotrain.data.packing import Packer, balance, sample_arrays
@@ -128,18 +128,11 @@ def test_packing_keeps_documents_and_masks_targets():
     assert packer.pad_tokens / packer.total_tokens < 0.05
 
 
-def test_rows_with_a_document_boundary_go_last_and_alone_are_masked():
-    # [accum=3, micro=3, T=8]: rows of one document each; boundaries inside the first and last rows; a boundary
-    # between two rows only.
-    one_each = np.array([[0] * 8, [1] * 8, [2] * 8], dtype=np.int32)
-    inside = np.array([[0] * 2 + [1] * 6, [1] * 8, [2] * 3 + [3] * 5], dtype=np.int32)
-    doc_ids = np.stack([one_each, inside, one_each + 7])
-    arrays = np.stack([doc_ids * 10 + 1, doc_ids * 10 + 2, doc_ids])  # inputs, targets: tagged by their row
-    before = arrays.copy()
-    assert one_document_rows_first(arrays) == [3, 1, 3]
-    assert np.array_equal(arrays[:, [0, 2]], before[:, [0, 2]])  # nothing to move
-    # The one-document row first, then the others in their order; inputs and targets move with their ids.
-    assert np.array_equal(arrays[:, 1], before[:, 1, [1, 0, 2]])
+def test_only_micro_batches_with_a_document_boundary_are_masked():
+    # [accum=3, micro=2, T=8]: rows of one document each; a boundary inside a row; a boundary between two rows only.
+    one_each = np.array([[0] * 8, [1] * 8], dtype=np.int32)
+    inside = np.array([[0] * 8, [1] * 3 + [2] * 5], dtype=np.int32)
+    assert with_boundary(np.stack([one_each, inside, one_each + 7])) == [False, True, False]
 
 
 def test_balancing_long_tailed_lengths_over_8_ranks():

@@ -65,41 +65,6 @@ def test_single_document_equals_fast_path():
     assert torch.allclose(masked, plain, atol=1e-5)
 
 
-def split_batch(T: int, vocab: int, device: str = "cpu"):
-    """Four rows, one-document rows first (as the data client orders them): tokens, targets, full doc_ids [4, T]."""
-    rows = [[T], [T], [T // 3, T - T // 3], [5, T // 2, T - T // 2 - 5]]
-    doc_ids = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in rows])
-    doc_ids[1] += 7  # a row of another document
-    tokens = torch.randint(0, vocab, (4, T))
-    targets = torch.randint(0, vocab, (4, T))
-    targets[3, -4:] = -100
-    return tokens.to(device), targets.to(device), doc_ids.to(device)
-
-
-def loss_and_grads(model, tokens, targets, doc_ids, autocast: bool = False):
-    model.zero_grad()
-    with torch.autocast(tokens.device.type, torch.bfloat16, enabled=autocast):
-        loss = model(tokens, targets, doc_ids=doc_ids)
-    loss.backward()
-    return loss.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def test_the_masked_rows_alone_give_the_whole_mask():
-    """doc_ids of the last rows only (the rows before them hold one document each): the same loss and gradients."""
-    model = small_model().train()
-    tokens, targets, doc_ids = split_batch(40, ARGS.vocab_size)
-    whole = loss_and_grads(model, tokens, targets, doc_ids)
-    with torch.no_grad():
-        logits = model(tokens, doc_ids=doc_ids)
-    for plain in (1, 2):
-        split = loss_and_grads(model, tokens, targets, doc_ids[plain:])
-        assert torch.allclose(split[0], whole[0], atol=1e-6)
-        for name, grad in whole[1].items():
-            assert torch.allclose(split[1][name], grad, atol=1e-6), name
-        with torch.no_grad():
-            assert (model(tokens, doc_ids=doc_ids[plain:]) - logits).abs().max().item() <= 1e-5
-
-
 def test_doc_positions():
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
     expected = torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]])
@@ -142,24 +107,3 @@ def test_flex_matches_sdpa_mask_on_cuda(monkeypatch):
     assert rel(flex[1], ref[1]) < 2e-2
     for name, grad in ref[2].items():
         assert rel(flex[2][name], grad) < 2e-2, name
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention path needs CUDA")
-def test_compiled_blocks_split_the_rows_as_the_whole_mask_on_cuda():
-    """Compiled blocks (as the trainer runs them): the masked rows through flex, the others through the dense causal
-    kernel, for every number of masked rows, against flex over all rows."""
-    args = LlamaArgs(dim=256, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=512, vocab_size=100, max_seq_len=512)
-    model = small_model(args).cuda().train()
-    for block in model.layers.values():
-        block.compile()
-    tokens, targets, doc_ids = split_batch(384, args.vocab_size, "cuda")
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-
-    whole = loss_and_grads(model, tokens, targets, doc_ids, autocast=True)
-    for plain in (2, 1, 0, 2):
-        split = loss_and_grads(model, tokens, targets, doc_ids[plain:], autocast=True)
-        assert rel(split[0], whole[0]) < 1e-2
-        for name, grad in whole[1].items():
-            assert rel(split[1][name], grad) < 2e-2, (plain, name)

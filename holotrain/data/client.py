@@ -56,25 +56,16 @@ RECONNECT_S = 120.0  # how long a rank waits for a restarted plane
 MAX_PLANE_RESTARTS = 5
 
 
-def one_document_rows_first(arrays: np.ndarray) -> list[int]:
-    """Orders, in place, the rows of each micro-batch of arrays [3, accum, micro, T] (inputs, targets, doc_ids) so
-    that rows holding one document's piece come first, and returns how many there are per micro-batch. The step's
-    mean loss does not depend on the order of rows."""
-    doc_ids = arrays[2]
-    boundary = (doc_ids[..., 1:] != doc_ids[..., :-1]).any(axis=-1)  # [accum, micro]
-    for m, rows in enumerate(boundary):
-        if rows.any():
-            arrays[:, m] = arrays[:, m, np.argsort(rows, kind="stable")]
-    return (~boundary).sum(axis=1).tolist()
+def with_boundary(doc_ids: np.ndarray) -> list[bool]:
+    """For doc_ids [accum, micro, T], whether each micro-batch has a row that holds more than one document."""
+    return (doc_ids[..., 1:] != doc_ids[..., :-1]).reshape(doc_ids.shape[0], -1).any(axis=1).tolist()
 
 
 class DataClient:
-    """Yields, per optimizer step, this rank's micro-batches as (inputs, targets, doc_ids) on the device.
-
-    A row that holds a piece of one document needs no document mask (positions restart at every row either way), and
-    the dense causal attention kernel is faster than the masked one. So on a GPU each micro-batch's rows come one-
-    document rows first, and doc_ids holds the ids of the rows after them only (the model masks those rows alone), or
-    is None when every row holds one document."""
+    """Yields, per optimizer step, this rank's micro-batches as (inputs, targets, doc_ids) on the device. On a GPU,
+    doc_ids is None for a micro-batch whose rows each hold a piece of one document: it needs no document mask, and the
+    model then takes its dense causal attention kernel, faster than the masked one (the result is the same: positions
+    restart at every row either way)."""
 
     def __init__(self, address: str, authkey: bytes, rank: int, start_step: int, device: torch.device,
                  plane: mp.Process | None = None, depth: int = 2, restart=None, plane_state: dict | None = None):
@@ -95,7 +86,6 @@ class DataClient:
         self.stats: dict = {}
         self.samples = None
         self.micro_batches = self.masked_micro_batches = 0  # handed out, and of them with a document boundary
-        self.rows = self.masked_rows = 0  # their rows, and of them masked (on a CPU: all)
         self._thread = threading.Thread(target=self._prefetch, args=(start_step,), name="holotrain-data-prefetch",
                                         daemon=True)
         self._thread.start()
@@ -132,10 +122,10 @@ class DataClient:
                 host.numpy()[:] = np.ndarray(reply["shape"], dtype=np.int32, buffer=shm.buf)
                 shm.close()
                 shm.unlink()
-                # On a GPU, where the dense causal kernel is the faster one; on a CPU every micro-batch keeps all its
-                # ids (one compiled variant of the blocks, for the short runs CPUs make).
+                # On a GPU, where the dense causal kernel is the faster one; on a CPU every micro-batch keeps its ids
+                # (one compiled variant of the blocks instead of two, for the short runs CPUs make).
                 gpu = self._stream is not None
-                plain = one_document_rows_first(host.numpy()) if gpu else [0] * reply["shape"][1]
+                masked = with_boundary(host.numpy()[2]) if gpu else [True] * reply["shape"][1]
                 event = None
                 if gpu:
                     with torch.cuda.stream(self._stream):
@@ -144,7 +134,7 @@ class DataClient:
                         event.record(self._stream)
                 else:
                     dev = host.long()
-                self._put((dev, plain, event, reply["stats"], reply["samples"], step))
+                self._put((dev, masked, event, reply["stats"], reply["samples"], step))
                 step += 1
         except BaseException as e:  # handed to the training loop, which raises it
             self._put(e)
@@ -169,18 +159,15 @@ class DataClient:
         waited = time.perf_counter() - t0
         if isinstance(item, BaseException):
             raise item
-        batch, plain, event, self.stats, self.samples, step = item
+        batch, masked, event, self.stats, self.samples, step = item
         self._handed = step + 1
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
             batch.record_stream(torch.cuda.current_stream(self.device))
+        self.micro_batches += len(masked)
+        self.masked_micro_batches += sum(masked)
         inputs, targets, doc_ids = batch  # each [accum, micro, T]
-        micro = inputs.shape[1]
-        self.micro_batches += len(plain)
-        self.masked_micro_batches += sum(p < micro for p in plain)
-        self.rows += len(plain) * micro
-        self.masked_rows += sum(micro - p for p in plain)
-        return [(inputs[m], targets[m], doc_ids[m, p:] if p < micro else None) for m, p in enumerate(plain)], waited
+        return [(inputs[m], targets[m], doc_ids[m] if masked[m] else None) for m in range(inputs.shape[0])], waited
 
     def state(self, steps_done: int) -> dict | None:
         """The plane's state after `steps_done` steps, for a checkpoint."""

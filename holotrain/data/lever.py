@@ -75,12 +75,10 @@ class Data:
     def metrics(self, steps: int) -> dict:
         stats = self.client.stats
         c = self.client
-        # Shares of the micro-batches and rows handed out so far that held a document boundary (and took the masked
-        # attention).
+        # Share of the micro-batches handed out so far that held a document boundary (and took the masked attention).
         masked = c.masked_micro_batches / c.micro_batches if c.micro_batches else None
-        masked_rows = c.masked_rows / c.rows if c.rows else None
         return {**{f"data.{k}": stats.get(k) for k in STAT_FIELDS}, "data.plane_restarts": c.restarts,
-                "data.doc_masked_share": masked, "data.doc_masked_row_share": masked_rows}
+                "data.doc_masked_share": masked}
 
     def close(self) -> None:
         if self._samples_log is not None:

@@ -100,13 +100,6 @@ def doc_block_mask(doc_ids: torch.Tensor) -> BlockMask:
     return _compiled_create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask,
-                     gqa: bool) -> torch.Tensor:
-    if isinstance(mask, BlockMask):
-        return _flex(q, k, v, block_mask=mask, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -134,8 +127,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
-        """mask: None (plain causal), a boolean SDPA mask [R, 1, T, T], or a flex_attention BlockMask of R rows.
-        With R < B the mask is of the last R rows; the rows before them hold one document each (plain causal)."""
+        """mask: None (plain causal), a boolean SDPA mask [B, 1, T, T], or a flex_attention BlockMask."""
         q, k, v = self.qkv(x)
         # Shapes come from the projections, heads from the weights: under tensor parallelism x holds this
         # rank's share of the tokens, the projections all tokens and this rank's share of the heads.
@@ -146,13 +138,10 @@ class Attention(nn.Module):
         gqa = self.n_kv_heads != self.n_heads
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif mask.shape[0] == B:
-            y = masked_attention(q, k, v, mask, gqa)
-        else:  # the dense causal kernel for the one-document rows, the masked one for the rest
-            plain = B - mask.shape[0]
-            y = torch.cat([F.scaled_dot_product_attention(q[:plain], k[:plain], v[:plain], is_causal=True,
-                                                          enable_gqa=gqa),
-                           masked_attention(q[plain:], k[plain:], v[plain:], mask, gqa)])
+        elif isinstance(mask, BlockMask):
+            y = _flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,18 +247,14 @@ class Llama(nn.Module):
         """tokens: [B, T] int64. Returns logits [B, T, V], or the mean cross-entropy if targets are given
         (positions where targets are -100 are ignored).
 
-        doc_ids: optional [R, T] int64, non-decreasing along T, the document of each token of the last R rows of
-        packed documents (R <= B; the B - R rows before them each hold a piece of one document). Positions restart
-        at every document and no token attends across documents.
+        doc_ids: optional [B, T] int64, non-decreasing along T, the document of each token in a packed row.
+        With it, positions restart at every document and no token attends across documents.
         """
-        B, T = tokens.shape
+        T = tokens.shape[1]
         if doc_ids is None:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
         else:
             pos = doc_positions(doc_ids)
-            if doc_ids.shape[0] < B:
-                plain = torch.arange(T, device=pos.device).expand(B - doc_ids.shape[0], T)
-                pos = torch.cat([plain, pos])
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [B, T, D]
             # Built once per forward and shared by every block.
             mask = doc_block_mask(doc_ids) if doc_ids.is_cuda else doc_attn_mask(doc_ids)
