@@ -12,11 +12,13 @@ import re
 FAMILIES = [  # first match wins
     ("attention (flex)", r"flex_attention|triton_tem_fused_flex|_flex_"),
     ("attention (sdpa)", r"flash|fmha|cudnn.*attn|sdpa|attention"),
-    ("gemm fp8", r"e4m3|e5m2|fp8|f8f8|scaled_mm"),
+    # Inductor's own kernels before the GEMMs: their names list the ops they fused (an FP8 cast names _scaled_mm,
+    # a cast of any kind _to_copy), which says nothing of what they run.
+    ("inductor fused", r"^triton_"),
+    ("gemm fp8", r"e4m3|e5m2|fp8|f8f8|nvjet_sm90_q"),  # cuBLAS's nvjet kernels name FP8 operands q/r
     ("gemm", r"gemm|nvjet|sm90_xmma|cutlass|ampere_|sm80_|wgmma"),
     ("optimizer", r"adam|multi_tensor|foreach|norm_kernel.*grad|clip"),
-    ("copies", r"memcpy|memset|copy_|CatArrayBatched"),
-    ("inductor fused", r"^triton_"),
+    ("copies", r"memcpy|memset|copy_kernel|CatArrayBatched|elementwise_kernel.*copy"),
 ]
 
 
