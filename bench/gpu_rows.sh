@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Masked micro-batches split by rows (one-document rows through the dense causal kernel, the rest through flex) against
-# the whole micro-batch through flex: `holotrain train --config 1.4b --training.fp8=tensorwise` from an older checkout
-# (OLD_DIR, holding its holotrain/) and from this one, alternating, then the compile + torchao float8 peer
-# (bench/peers.py, random tokens, causal attention) in the same call. The new run logs dynamo's recompilations.
+# A change to the trainer's FP8 job, before and after, in one call: `holotrain train --config 1.4b
+# --training.fp8=tensorwise` from this checkout ("new", logging dynamo's recompilations) and from an older one
+# (OLD_DIR, holding its holotrain/: "old"), then the compile + torchao float8 peer (bench/peers.py, random tokens,
+# causal attention). First used for the row split of masked micro-batches (bbbf6b0, reverted).
 # Usage (repo root, on the GPU machine): bash bench/gpu_rows.sh OLD_DIR OUT_DIR [STEPS] [ORDER]
 #   ORDER: the runs, space-separated, among old new peer bf16 (default: "new old peer")
 set -uo pipefail
