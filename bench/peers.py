@@ -137,7 +137,8 @@ def build_variant(name: str, a, device):
         # holotrain as the trainer runs it: its model, its levers, its optimizer and its step.
         # "holotrain-a-b" switches levers off or picks kernels, to show what each one gives.
         switches = set(name.split("-")[1:])
-        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune", "fp8", "fp8head"}
+        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune", "fp8", "fp8head",
+                              "delayed"}
         if unknown:
             raise SystemExit(f"unknown holotrain switches {sorted(unknown)}")
         overrides = [
@@ -146,8 +147,8 @@ def build_variant(name: str, a, device):
         ]
         for kernel in switches & {"flash", "cudnn"}:
             overrides.append(f"--training.attention={kernel}")
-        if switches & {"fp8", "fp8head"}:
-            overrides.append("--training.fp8=tensorwise")
+        if switches & {"fp8", "fp8head"}:  # "fp8-delayed": holotrain's delayed scaling in place of tensorwise
+            overrides.append(f"--training.fp8={'delayed' if 'delayed' in switches else 'tensorwise'}")
         if "fp8head" in switches:  # the output head in FP8 too (training.fp8_skip empty)
             overrides.append("--training.fp8_skip=")
         cfg = load_config(None, overrides)

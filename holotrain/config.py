@@ -106,10 +106,11 @@ class TrainingConfig(_Section):
     # A step whose loss or gradient norm is not finite is skipped (weights and optimizer state untouched) and
     # counted (train.nonfinite_steps); this many in a row stop the run with exit code 3 (checked at logged steps).
     max_nonfinite_steps: int = 20
-    # FP8 matmuls for the linear layers (torchao float8 training, holotrain/precision): none | tensorwise | rowwise |
-    # auto (on where a supported GPU's measured FP8 GEMMs beat bf16 at the layer's shapes). fp8_skip: name patterns
-    # (fnmatch) of linear layers kept in the compute dtype. fp8_emulate: FP8 numerics without FP8 hardware (slow;
-    # for tests on a CPU).
+    # FP8 matmuls for the linear layers (holotrain/precision): none | tensorwise | rowwise (torchao float8 training)
+    # | delayed (scales from each tensor's recent maxima, casts fused into their producers: precision/delayed.py) |
+    # auto (tensorwise where a supported GPU's measured FP8 GEMMs beat bf16 at the layer's shapes). fp8_skip: name
+    # patterns (fnmatch) of linear layers kept in the compute dtype. fp8_emulate: FP8 numerics without FP8 hardware
+    # (slow; for tests on a CPU).
     fp8: str = "none"
     fp8_skip: list[str] = field(default_factory=lambda: ["output"])
     fp8_emulate: bool = False
@@ -482,10 +483,12 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(t.dtype in ("auto", "bf16", "fp32"), f"training.dtype must be auto, bf16 or fp32, got {t.dtype!r}")
     need(t.attention in ("auto", "cudnn", "flash"), f"training.attention must be auto, cudnn or flash, got {t.attention!r}")
     need(t.log_every > 0, f"training.log_every must be positive, got {t.log_every}")
-    need(t.fp8 in ("none", "tensorwise", "rowwise", "auto"),
-         f"training.fp8 must be none, tensorwise, rowwise or auto, got {t.fp8!r}")
-    need(not (t.fp8 in ("tensorwise", "rowwise") and cfg.job.device == "cpu" and not t.fp8_emulate),
+    need(t.fp8 in ("none", "tensorwise", "rowwise", "delayed", "auto"),
+         f"training.fp8 must be none, tensorwise, rowwise, delayed or auto, got {t.fp8!r}")
+    need(not (t.fp8 in ("tensorwise", "rowwise", "delayed") and cfg.job.device == "cpu" and not t.fp8_emulate),
          f"training.fp8 = {t.fp8!r} needs a GPU with FP8 (compute capability 8.9 or later); job.device is cpu")
+    need(not (t.fp8 == "delayed" and cfg.parallel.tp > 1),
+         "training.fp8 = 'delayed' does not run under parallel.tp > 1 yet; use 'tensorwise' there")
     need(not (t.fp8 in ("tensorwise", "rowwise") and cfg.parallel.tp > 1 and cfg.parallel.tp_overlap != "none"),
          f"training.fp8 = {t.fp8!r} with parallel.tp > 1 needs parallel.tp_overlap = 'none' (the overlapped "
          f"GEMMs, {cfg.parallel.tp_overlap!r}, have no FP8 path)")

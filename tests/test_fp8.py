@@ -10,7 +10,7 @@ pytest.importorskip("torchao")
 
 
 def test_fp8_on_a_cpu_is_one_config_error_and_auto_says_why_it_is_off(tmp_path):
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "delayed"):
         proc = run_cli_here("train", *tiny_args(tmp_path / recipe, **{"training.fp8": recipe}))
         assert proc.returncode == 2 and "training.fp8" in proc.stderr and "Traceback" not in proc.stderr
     fused = {"training.fp8": "tensorwise", "training.fp8_emulate": True, "parallel.tp": 2,
@@ -21,14 +21,15 @@ def test_fp8_on_a_cpu_is_one_config_error_and_auto_says_why_it_is_off(tmp_path):
     assert "training.fp8 = auto -> none (cpu has no FP8 matmuls)" in proc.stdout
 
 
-def test_emulated_fp8_trains_like_fp32_and_resumes_with_fp8_switched_off(tmp_path):
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_emulated_fp8_trains_like_fp32_and_resumes_with_fp8_switched_off(tmp_path, recipe):
     """The linear layers (not the output head) go FP8; the loss follows the full-precision run closely; checkpoints
     keep the weights in the model's dtype, so the run resumes with FP8 off (and on again) to the end."""
     common = {"training.steps": 6, "checkpoint.every": 3}
     run_cli("train", *tiny_args(tmp_path / "fp32", **common))
-    fp8 = {**common, "training.fp8": "tensorwise", "training.fp8_emulate": True}
+    fp8 = {**common, "training.fp8": recipe, "training.fp8_emulate": True}
     proc = run_cli("train", *tiny_args(tmp_path / "fp8", **fp8))
-    assert "fp8 tensorwise on 14 linear layers (emulated)" in proc.stdout  # 2 blocks x 7; the head stays
+    assert f"fp8 {recipe} on 14 linear layers (emulated)" in proc.stdout  # 2 blocks x 7; the head stays
     full, low = read_metrics(tmp_path / "fp32"), read_metrics(tmp_path / "fp8")
     assert low[0]["loss"] != full[0]["loss"]  # FP8 really ran
     for a, b in zip(full, low):
@@ -39,6 +40,70 @@ def test_emulated_fp8_trains_like_fp32_and_resumes_with_fp8_switched_off(tmp_pat
     proc = run_cli("train", *tiny_args(tmp_path / "fp8", **{**fp8, "training.steps": 12}))
     assert "resuming from" in proc.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "fp8")] == list(range(1, 13))
+
+
+def sqnr(a, b):
+    """Signal to quantization noise of b against a, in dB."""
+    return (20 * torch.log10(a.float().norm() / (a.float() - b.float()).norm())).item()
+
+
+def test_delayed_scaling_takes_its_scales_from_the_previous_calls():
+    """precision/delayed.py: the first call casts with unit scales; each call records its tensors' maxima, and the
+    next call's scales map those onto FP8's largest numbers, so the result is as close to full precision as FP8
+    gives. Compiled (the trainer's blocks are), the histories move the same."""
+    from holotrain.precision import delayed
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(64, 48, bias=False)
+    low = torch.nn.Linear(64, 48, bias=False)
+    low.weight.data.copy_(ref.weight.data)
+    delayed.convert(low)
+    x = torch.randn(32, 64) * 5
+    g = torch.randn(32, 48) * 1e-5
+
+    def step(layer, fn=None):
+        xi = x.clone().requires_grad_()
+        y = (layer if fn is None else fn)(xi)
+        y.backward(g)
+        grad_w = layer.weight.grad.clone()
+        layer.weight.grad = None
+        return y.detach(), xi.grad, grad_w
+
+    want = step(ref)
+    first = step(low)
+    # Unit scales: gradients of 1e-5 fall among e5m2's few subnormal numbers and lose most of their bits.
+    assert sqnr(want[1], first[1]) < 10
+    assert low.fp8_amax_input[0] == x.abs().max() and low.fp8_amax_grad_output[0] == g.abs().max()
+    assert low.fp8_amax_weight[0] == low.weight.abs().max() and (low.fp8_amax_input[1:] == 0).all()
+    second = step(low)
+    assert sqnr(want[0], second[0]) > 25 and sqnr(want[1], second[1]) > 20 and sqnr(want[2], second[2]) > 20
+    assert torch.equal(low.fp8_amax_input[:2], x.abs().max().repeat(2))
+    # Compiled, from the same state: the same results and the same histories.
+    eager = delayed.DelayedFp8Linear(64, 48, bias=False)
+    eager.weight.data.copy_(ref.weight.data)
+    delayed.convert(eager)
+    compiled = delayed.DelayedFp8Linear(64, 48, bias=False)
+    compiled.weight.data.copy_(ref.weight.data)
+    delayed.convert(compiled)
+    fn = torch.compile(compiled)
+    for _ in range(3):
+        a, b = step(eager), step(compiled, fn)
+        for u, v in zip(a, b):
+            assert sqnr(u, v) > 40
+    for name in delayed.HISTORIES:
+        assert torch.allclose(getattr(eager, name), getattr(compiled, name)), name
+
+
+def test_delayed_fp8_saturates_a_value_above_its_recent_maxima():
+    from holotrain.precision import delayed
+
+    history = torch.zeros(delayed.HISTORY)
+    history[3] = 2.0
+    scale = delayed.scale_from(history, delayed.E4M3)
+    assert scale == 448.0 / 2.0
+    out = delayed.to_fp8(torch.tensor([1.0, 2.0, 10.0, -10.0]), scale, delayed.E4M3).float() / scale
+    assert out.tolist() == [1.0, 2.0, 2.0, -2.0]
+    assert delayed.scale_from(torch.zeros(delayed.HISTORY), delayed.E5M2) == 1.0
 
 
 @pytest.mark.slow
@@ -80,9 +145,34 @@ def test_one_fp8_linear_matches_its_bf16_reference_within_fp8_tolerance():
     y.backward(g)
     y8.backward(g)
 
-    def sqnr(a, b):  # signal to quantization noise, dB
-        return (20 * torch.log10(a.float().norm() / (a.float() - b.float()).norm())).item()
-
     assert sqnr(y, y8) > 25 and sqnr(x.grad, x8.grad) > 20 and sqnr(ref.weight.grad, low[0].weight.grad) > 20
     gain = predict({(2048, 8192): 1}, 16384, torch.device("cuda"))[0]["gain"]
     assert 0.5 < gain < 3.0  # measured, so not fixed; FP8 GEMMs are about twice bf16's peak
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 (sm_89 or later)")
+def test_one_delayed_fp8_linear_matches_its_bf16_reference_on_the_gpu():
+    """precision/delayed.py's FP8 GEMMs on the GPU (torch._scaled_mm's layouts), compiled as the trainer's blocks are,
+    from its second call on (the first has no history: unit scales)."""
+    from holotrain.precision import delayed
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(2048, 4096, bias=False, device="cuda")
+    low = torch.nn.Linear(2048, 4096, bias=False, device="cuda")
+    low.weight.data.copy_(ref.weight.data)
+    delayed.convert(low)
+    fn = torch.compile(low)
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 1e-4
+    for call in range(3):
+        xr, xl = (x.clone().requires_grad_() for _ in range(2))
+        with torch.autocast("cuda", torch.bfloat16):
+            y, y8 = ref(xr), fn(xl)
+        y.backward(g)
+        y8.backward(g)
+        if call:
+            assert y8.dtype == torch.bfloat16 and low.weight.grad.dtype == torch.float32
+            assert sqnr(y, y8) > 25 and sqnr(xr.grad, xl.grad) > 20 and sqnr(ref.weight.grad, low.weight.grad) > 20
+        ref.weight.grad = low.weight.grad = None
+    assert low.fp8_amax_grad_output[0] == g.abs().max().float()

@@ -4,8 +4,10 @@ in the compute dtype). The swapped layers keep their weights as ordinary paramet
 checkpoints do not change: a run resumes with FP8 switched on or off, and export writes normal weights.
 
 Recipes (torchao): "tensorwise" scales each tensor by one number (with FSDP2 the weights are all-gathered in FP8);
-"rowwise" scales each row, more accurate and slower at small shapes. "auto" is resolved before the model is built
-(precision/probe.py): FP8 on only where this GPU's FP8 GEMMs, measured at the layer's shapes, beat bf16."""
+"rowwise" scales each row, more accurate and slower at small shapes. Holotrain's own, "delayed" (precision/delayed.py),
+scales each tensor by its recent maxima, so its casts fuse into the kernels that make the tensors. "auto" is resolved
+before the model is built (precision/probe.py): tensorwise only where this GPU's FP8 GEMMs, measured at the layer's
+shapes, beat bf16."""
 
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from holotrain.errors import ConfigError
+from holotrain.precision import delayed
 
 if TYPE_CHECKING:
     from holotrain.config import TrainingConfig
     from holotrain.parallel import DistEnv
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "delayed")
 
 # FP8's cost terms, for the memory plan and the planner. Its blocks keep about this share of bf16's activations
 # (float8 linears save their inputs cast) and no bf16 casts of their weights: fitted to the 1.4b's peaks on an H200
@@ -80,8 +83,14 @@ class Precision:
         self.converted: list[str] = []
 
     def apply(self, model: torch.nn.Module) -> None:
-        """Swaps the admitted linear layers for torchao's Float8Linear (on the meta or real model, in place)."""
+        """Swaps the admitted linear layers for FP8 ones (on the meta or real model, in place)."""
         if self.recipe == "none":
+            return
+        if self.recipe == "delayed":
+            for fqn, module in model.named_modules():
+                if admitted(module, fqn, self.skip):
+                    delayed.convert(module)
+                    self.converted.append(fqn)
             return
         try:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -116,6 +125,11 @@ class Precision:
             if admitted(module, fqn, self.skip, tp):
                 module.fp8_matmul = matmul
                 self.converted.append(fqn)
+
+    def initialize(self, model: torch.nn.Module) -> None:
+        """The recipe's own state, once the model holds values (it was built on "meta")."""
+        if self.recipe == "delayed":
+            delayed.reset(model)
 
     def describe(self) -> str | None:
         if self.recipe == "none":

@@ -72,6 +72,7 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
     par.apply_fsdp(model, compute_dtype)
     model.to_empty(device="cpu" if memory.host_built else env.device)
     model.init_weights(seed=cfg.job.seed)
+    precision.initialize(model)
     return model
 
 

@@ -1,0 +1,105 @@
+"""FP8 linear layers with delayed scaling (training.fp8 = "delayed").
+
+Each tensor a layer's GEMMs take in FP8 (its input and weight in e4m3, the gradient of its output in e5m2) is
+scaled by the largest absolute value that tensor had over the layer's last HISTORY calls, not by its current one.
+Why: with the current value (torchao's "tensorwise"), every cast is two passes over the tensor, one to find the
+maximum and one to cast, and the scale of a saved input is found and applied again in backward. On the 1.4b's FP8
+step those passes were about a quarter of the GPU time. A scale known before the tensor exists lets torch.compile
+fuse the cast into the kernel that produces the tensor (a norm, the SwiGLU product, a residual's gradient); the
+current maximum, kept for the history, is a reduction over the same values. Backward reuses the casts forward made.
+
+The cost: a value above its tensor's recent maximum saturates at the format's largest number (448 for e4m3, 57344
+for e5m2) until the history catches up, one call later. Before a layer's first call its histories are empty and
+the scale is 1. The histories live in buffers that checkpoints do not keep: a resumed run starts them afresh.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+HISTORY = 16  # calls (micro-batches) whose maxima a scale covers
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+LARGEST = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+HISTORIES = ("fp8_amax_input", "fp8_amax_weight", "fp8_amax_grad_output")
+
+
+def scale_from(history: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The factor that maps the history's largest magnitude onto the format's largest number; 1 while empty."""
+    top = history.amax()
+    return torch.where(top > 0, LARGEST[dtype] / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale in `dtype`, saturating at its largest number."""
+    return (x.float() * scale).clamp(-LARGEST[dtype], LARGEST[dtype]).to(dtype)
+
+
+def record(history: torch.Tensor, x: torch.Tensor) -> None:
+    """Puts x's largest magnitude first in the history, dropping the oldest. The maximum is taken per row first: a
+    reduction the kernel that makes x (often a per-row reduction itself, as a norm is) can take on."""
+    top = x.abs().amax(dim=-1).amax().float()
+    history.copy_(torch.cat([top.reshape(1), history[:-1]]))
+
+
+class _DelayedFp8Matmul(torch.autograd.Function):
+    """x [M, K] @ w [N, K]^T with FP8 operands, and FP8 GEMMs for both gradients. torch._scaled_mm takes its first
+    operand row-major and its second column-major, so forward also casts the transposed layouts backward needs."""
+
+    @staticmethod
+    def forward(ctx, x, w, amax_x, amax_w, amax_g, out_dtype):
+        sx, sw = scale_from(amax_x, E4M3), scale_from(amax_w, E4M3)
+        x8, w8 = to_fp8(x, sx, E4M3), to_fp8(w, sw, E4M3)
+        record(amax_x, x)
+        record(amax_w, w)
+        ix, iw = sx.reciprocal(), sw.reciprocal()
+        y = torch._scaled_mm(x8, w8.t(), scale_a=ix, scale_b=iw, out_dtype=out_dtype, use_fast_accum=True)
+        # Saved: x^T and w^T in FP8 (a byte a value, where torchao keeps x and w in 16 or 32 bits to cast again).
+        ctx.save_for_backward(x8.t().contiguous(), w8.t().contiguous(), ix, iw)
+        ctx.amax_g, ctx.x_dtype, ctx.w_dtype = amax_g, x.dtype, w.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x8t, w8t, ix, iw = ctx.saved_tensors
+        sg = scale_from(ctx.amax_g, E5M2)
+        g8 = to_fp8(g, sg, E5M2)
+        record(ctx.amax_g, g)
+        ig = sg.reciprocal()
+        grad_x = torch._scaled_mm(g8, w8t.t(), scale_a=ig, scale_b=iw, out_dtype=ctx.x_dtype)
+        grad_w = torch._scaled_mm(g8.t().contiguous(), x8t.t(), scale_a=ig, scale_b=ix, out_dtype=ctx.w_dtype)
+        return grad_x, grad_w, None, None, None, None
+
+
+def delayed_fp8_matmul(module: nn.Module, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T through the module's scale histories; the output in the autocast dtype, if on."""
+    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        y = _DelayedFp8Matmul.apply(x.reshape(-1, x.shape[-1]), w, *(getattr(module, h) for h in HISTORIES),
+                                    out_dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class DelayedFp8Linear(nn.Linear):
+    """nn.Linear whose matmul runs in FP8 with delayed scaling; the weight stays an ordinary parameter."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = delayed_fp8_matmul(self, x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def convert(module: nn.Linear) -> None:
+    """Makes the linear layer a DelayedFp8Linear, in place (the same parameters), with its three scale histories
+    (buffers that checkpoints do not keep)."""
+    for name in HISTORIES:
+        module.register_buffer(name, torch.zeros(HISTORY, device=module.weight.device), persistent=False)
+    module.__class__ = DelayedFp8Linear
+
+
+def reset(model: nn.Module) -> None:
+    """Empties every scale history (after the model is materialized: buffers made on "meta" hold no values)."""
+    for module in model.modules():
+        for name in HISTORIES:
+            history = getattr(module, name, None)
+            if history is not None:
+                history.zero_()
