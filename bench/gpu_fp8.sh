@@ -2,6 +2,7 @@
 # FP8 training through `holotrain train` on the shipped 1.4b config (one H200, its defaults otherwise: clipping on,
 # the embedded corpus, B=8, T=2048, compiled): bf16 against training.fp8=tensorwise in the same call, and what
 # training.fp8=auto decides. Usage (repo root, on the GPU machine): bash bench/gpu_fp8.sh OUT_DIR [FP8_STEPS] [BF16_STEPS]
+# RECIPE=delayed trains the FP8 run with training.fp8 = delayed; BF16_STEPS=0 skips the bf16 run, AUTO=0 the auto one.
 set -uo pipefail
 out=${1:?output directory}; fp8_steps=${2:-300}; bf16_steps=${3:-150}
 export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
@@ -14,9 +15,10 @@ run() {  # name, steps, extra args
   echo "== $name: rc $? in $(( SECONDS - s )) s"; grep -v -i "warn\|Failed to load" "$out/$name.log" | grep holotrain: | head -3
   cp /tmp/fp8-$name/metrics.jsonl "$out/$name.jsonl"; rm -rf /tmp/fp8-$name
 }
-run fp8 "$fp8_steps" --training.fp8=tensorwise
-run bf16 "$bf16_steps"
-run auto 20 --training.fp8=auto
+recipe=${RECIPE:-tensorwise}
+run fp8 "$fp8_steps" --training.fp8="$recipe"
+[ "$bf16_steps" -gt 0 ] && run bf16 "$bf16_steps"
+[ "${AUTO:-1}" = 1 ] && run auto 20 --training.fp8=auto
 python3 - "$out" <<'PY'
 import json, sys
 from pathlib import Path
@@ -26,7 +28,7 @@ out = Path(sys.argv[1])
 fp8, bf16 = rows(out, "fp8"), rows(out, "bf16")
 if fp8 and bf16:
     a, b = training_rate(bf16, 20), training_rate(fp8, 20)
-    print(f"tokens/s over steps 21+: bf16 {a:,.0f}; fp8 tensorwise {b:,.0f}; ratio {b / a:.3f}")
+    print(f"tokens/s over steps 21+: bf16 {a:,.0f}; fp8 {b:,.0f}; ratio {b / a:.3f}")
     common = min(fp8[-1]["step"], bf16[-1]["step"])
     la = {r["step"]: r["loss"] for r in bf16}; lb = {r["step"]: r["loss"] for r in fp8}
     print("loss by step (bf16, fp8):", [(s, round(la[s], 4), round(lb[s], 4)) for s in sorted(la) if s in lb and s % 50 == 0])
