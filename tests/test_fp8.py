@@ -21,25 +21,26 @@ def test_fp8_on_a_cpu_is_one_config_error_and_auto_says_why_it_is_off(tmp_path):
     assert "training.fp8 = auto -> none (cpu has no FP8 matmuls)" in proc.stdout
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_emulated_fp8_trains_like_fp32_and_resumes_with_fp8_switched_off(tmp_path, recipe):
-    """The linear layers (not the output head) go FP8; the loss follows the full-precision run closely; checkpoints
-    keep the weights in the model's dtype, so the run resumes with FP8 off (and on again) to the end."""
+def test_emulated_fp8_trains_like_fp32_and_resumes_with_fp8_switched_off(tmp_path):
+    """Both recipes: the linear layers (not the output head) go FP8; the loss follows the full-precision run closely;
+    checkpoints keep the weights in the model's dtype, so the run resumes with FP8 off (and on again) to the end."""
     common = {"training.steps": 6, "checkpoint.every": 3}
     run_cli("train", *tiny_args(tmp_path / "fp32", **common))
-    fp8 = {**common, "training.fp8": recipe, "training.fp8_emulate": True}
-    proc = run_cli("train", *tiny_args(tmp_path / "fp8", **fp8))
-    assert f"fp8 {recipe} on 14 linear layers (emulated)" in proc.stdout  # 2 blocks x 7; the head stays
-    full, low = read_metrics(tmp_path / "fp32"), read_metrics(tmp_path / "fp8")
-    assert low[0]["loss"] != full[0]["loss"]  # FP8 really ran
-    for a, b in zip(full, low):
-        assert b["loss"] == pytest.approx(a["loss"], rel=0.01)
-    # Resume the FP8 run's step-6 checkpoint without FP8, then with it again.
-    proc = run_cli("train", *tiny_args(tmp_path / "fp8", **{**common, "training.steps": 9}))
-    assert "resuming from" in proc.stdout and "holotrain: fp8" not in proc.stdout
-    proc = run_cli("train", *tiny_args(tmp_path / "fp8", **{**fp8, "training.steps": 12}))
-    assert "resuming from" in proc.stdout
-    assert [r["step"] for r in read_metrics(tmp_path / "fp8")] == list(range(1, 13))
+    full = read_metrics(tmp_path / "fp32")
+    for recipe in ("tensorwise", "delayed"):
+        fp8 = {**common, "training.fp8": recipe, "training.fp8_emulate": True}
+        proc = run_cli("train", *tiny_args(tmp_path / recipe, **fp8))
+        assert f"fp8 {recipe} on 14 linear layers (emulated)" in proc.stdout  # 2 blocks x 7; the head stays
+        low = read_metrics(tmp_path / recipe)
+        assert low[0]["loss"] != full[0]["loss"]  # FP8 really ran
+        for a, b in zip(full, low):
+            assert b["loss"] == pytest.approx(a["loss"], rel=0.01)
+        # Resume the FP8 run's step-6 checkpoint without FP8, then with it again.
+        proc = run_cli("train", *tiny_args(tmp_path / recipe, **{**common, "training.steps": 9}))
+        assert "resuming from" in proc.stdout and "holotrain: fp8" not in proc.stdout
+        proc = run_cli("train", *tiny_args(tmp_path / recipe, **{**fp8, "training.steps": 12}))
+        assert "resuming from" in proc.stdout
+        assert [r["step"] for r in read_metrics(tmp_path / recipe)] == list(range(1, 13))
 
 
 def sqnr(a, b):
@@ -55,9 +56,14 @@ def test_delayed_scaling_takes_its_scales_from_the_previous_calls():
 
     torch.manual_seed(0)
     ref = torch.nn.Linear(64, 48, bias=False)
-    low = torch.nn.Linear(64, 48, bias=False)
-    low.weight.data.copy_(ref.weight.data)
-    delayed.convert(low)
+
+    def fp8_copy():
+        layer = torch.nn.Linear(64, 48, bias=False)
+        layer.weight.data.copy_(ref.weight.data)
+        delayed.convert(layer)
+        return layer
+
+    low = fp8_copy()
     x = torch.randn(32, 64) * 5
     g = torch.randn(32, 48) * 1e-5
 
@@ -79,12 +85,7 @@ def test_delayed_scaling_takes_its_scales_from_the_previous_calls():
     assert sqnr(want[0], second[0]) > 25 and sqnr(want[1], second[1]) > 20 and sqnr(want[2], second[2]) > 20
     assert torch.equal(low.fp8_amax_input[:2], x.abs().max().repeat(2))
     # Compiled, from the same state: the same results and the same histories.
-    eager = delayed.DelayedFp8Linear(64, 48, bias=False)
-    eager.weight.data.copy_(ref.weight.data)
-    delayed.convert(eager)
-    compiled = delayed.DelayedFp8Linear(64, 48, bias=False)
-    compiled.weight.data.copy_(ref.weight.data)
-    delayed.convert(compiled)
+    eager, compiled = fp8_copy(), fp8_copy()
     fn = torch.compile(compiled)
     for _ in range(3):
         a, b = step(eager), step(compiled, fn)
