@@ -9,8 +9,9 @@ fuse the cast into the kernel that produces the tensor (a norm, the SwiGLU produ
 current maximum, kept for the history, is a reduction over the same values. Backward reuses the casts forward made.
 
 The cost: a value above its tensor's recent maximum saturates at the format's largest number (448 for e4m3, 57344
-for e5m2) until the history catches up, one call later. Before a layer's first call its histories are empty and
-the scale is 1. The histories live in buffers that checkpoints do not keep: a resumed run starts them afresh.
+for e5m2) until the history catches up, one call later. A layer's first call in a process has no history: it scales
+by the current maxima, as tensorwise does (a second compiled variant of the block, for that one call). The histories
+live in buffers that checkpoints do not keep, so a resumed run starts them afresh the same way.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ HISTORIES = ("fp8_amax_input", "fp8_amax_weight", "fp8_amax_grad_output")
 
 
 def scale_from(history: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The factor that maps the history's largest magnitude onto the format's largest number; 1 while empty."""
-    top = history.amax()
-    return torch.where(top > 0, LARGEST[dtype] / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+    """The factor that maps the history's largest magnitude onto the format's largest number."""
+    return LARGEST[dtype] / history.amax().clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def scale_of(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, first: bool) -> torch.Tensor:
+    """x's scale: from the history, or from x itself on the layer's first call (no history yet)."""
+    return scale_from(x.abs().amax().float().reshape(1) if first else history, dtype)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -47,8 +52,8 @@ class _DelayedFp8Matmul(torch.autograd.Function):
     operand row-major and its second column-major, so forward also casts the transposed layouts backward needs."""
 
     @staticmethod
-    def forward(ctx, x, w, amax_x, amax_w, amax_g, out_dtype):
-        sx, sw = scale_from(amax_x, E4M3), scale_from(amax_w, E4M3)
+    def forward(ctx, x, w, amax_x, amax_w, amax_g, out_dtype, first):
+        sx, sw = scale_of(x, amax_x, E4M3, first), scale_of(w, amax_w, E4M3, first)
         x8, w8 = to_fp8(x, sx, E4M3), to_fp8(w, sw, E4M3)
         record(amax_x, x)
         record(amax_w, w)
@@ -56,27 +61,29 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         y = torch._scaled_mm(x8, w8.t(), scale_a=ix, scale_b=iw, out_dtype=out_dtype, use_fast_accum=True)
         # Saved: x^T and w^T in FP8 (a byte a value, where torchao keeps x and w in 16 or 32 bits to cast again).
         ctx.save_for_backward(x8.t().contiguous(), w8.t().contiguous(), ix, iw)
-        ctx.amax_g, ctx.x_dtype, ctx.w_dtype = amax_g, x.dtype, w.dtype
+        ctx.amax_g, ctx.x_dtype, ctx.w_dtype, ctx.first = amax_g, x.dtype, w.dtype, first
         return y
 
     @staticmethod
     def backward(ctx, g):
         x8t, w8t, ix, iw = ctx.saved_tensors
-        sg = scale_from(ctx.amax_g, E5M2)
+        sg = scale_of(g, ctx.amax_g, E5M2, ctx.first)
         g8 = to_fp8(g, sg, E5M2)
         record(ctx.amax_g, g)
         ig = sg.reciprocal()
         grad_x = torch._scaled_mm(g8, w8t.t(), scale_a=ig, scale_b=iw, out_dtype=ctx.x_dtype)
         grad_w = torch._scaled_mm(g8.t().contiguous(), x8t.t(), scale_a=ig, scale_b=ix, out_dtype=ctx.w_dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def delayed_fp8_matmul(module: nn.Module, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T through the module's scale histories; the output in the autocast dtype, if on."""
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    first = not module.fp8_started
     with torch.autocast(x.device.type, enabled=False):
         y = _DelayedFp8Matmul.apply(x.reshape(-1, x.shape[-1]), w, *(getattr(module, h) for h in HISTORIES),
-                                    out_dtype)
+                                    out_dtype, first)
+    module.fp8_started = True
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -93,13 +100,14 @@ def convert(module: nn.Linear) -> None:
     (buffers that checkpoints do not keep)."""
     for name in HISTORIES:
         module.register_buffer(name, torch.zeros(HISTORY, device=module.weight.device), persistent=False)
+    module.fp8_started = False
     module.__class__ = DelayedFp8Linear
 
 
 def reset(model: nn.Module) -> None:
     """Empties every scale history (after the model is materialized: buffers made on "meta" hold no values)."""
     for module in model.modules():
-        for name in HISTORIES:
-            history = getattr(module, name, None)
-            if history is not None:
-                history.zero_()
+        if isinstance(module, DelayedFp8Linear):
+            for name in HISTORIES:
+                getattr(module, name).zero_()
+            module.fp8_started = False
