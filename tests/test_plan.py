@@ -171,7 +171,7 @@ def test_on_a_gpu_the_host_time_per_micro_batch_is_a_floor_that_trials_measure()
 
 def test_settings_given_on_the_command_line_are_kept_by_the_plan():
     """`--memory.offload=true` keeps offload and leaves its ratio to the plan; a held ratio binds only the settings
-    that offload; "auto" and a micro-batch of 0 are the plan's; a setting no candidate has is one clear error."""
+    that offload; "auto" and a micro-batch of 0 are the plan's; a named FP8 recipe is planned."""
     from holotrain.plan.cost import Machine
     from holotrain.plan.planner import _keeps, enumerate_candidates, held_settings, job_config
 
@@ -190,6 +190,14 @@ def test_settings_given_on_the_command_line_are_kept_by_the_plan():
     kept = [c for c in enumerate_candidates(cfg, gpu) if _keeps(c, held)]
     assert {c.settings["memory.offload_ratio"] for c in kept if c.settings["memory.offload"]} == {0.5}
     assert any(not c.settings["memory.offload"] for c in kept)
+    # An FP8 recipe the plan does not choose by itself is planned when the job names it.
+    args = ["--training.fp8=delayed"]
+    cfg = job_config("1.4b", args)
+    held = held_settings(cfg, args)
+    kept = [c for c in enumerate_candidates(cfg, gpu) if _keeps(c, held)]
+    assert kept and {c.settings["training.fp8"] for c in kept} == {"delayed"}
+    assert not any(c.settings.get("parallel.tp", 1) > 1 for c in enumerate_candidates(cfg, gpu, ranks=2)
+                   if c.settings["training.fp8"] == "delayed")
 
 
 def test_a_held_setting_no_candidate_has_is_one_error(tmp_path):

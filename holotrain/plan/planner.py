@@ -143,6 +143,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
     gpu = machine.device == "cuda"
     offloads = [(False, 1.0)] + ([(True, r) for r in (0.25, 0.5, 0.75, 1.0)] if gpu else [])
     fp8s = ["none"] + (["tensorwise"] if gpu and machine.fp8 else [])
+    if gpu and machine.fp8 and t.fp8 in ("rowwise", "delayed"):
+        fp8s.append(t.fp8)  # a recipe the job names is planned too (its costs counted as tensorwise's)
     compiles = [True, False] if gpu else [t.compile]
     layouts = [(1, "none")] if ranks == 1 else [
         (tp, overlap) for tp in _tp_sizes(cfg, ranks)
@@ -152,7 +154,7 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             layouts, checkpointing_choices(cfg.model.n_layers), offloads, fp8s, compiles, (0, 8192)):
         if chunk and (ac != "none" or tp > 1):
             continue  # chunked already under activation checkpointing (auto); TP's vocabulary-parallel loss never is
-        if tp > 1 and (offload or (fp8 != "none" and overlap != "none")):
+        if tp > 1 and (offload or fp8 == "delayed" or (fp8 != "none" and overlap != "none")):
             continue  # combinations the trainer refuses (config.validate)
         dp = ranks // tp
         if t.batch_size % dp:
