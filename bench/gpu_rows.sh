@@ -4,8 +4,7 @@
 # (OLD_DIR, holding its holotrain/: "old"), then the compile + torchao float8 peer (bench/peers.py, random tokens,
 # causal attention). First used for the row split of masked micro-batches (bbbf6b0, reverted).
 # Usage (repo root, on the GPU machine): bash bench/gpu_rows.sh OLD_DIR OUT_DIR [STEPS] [ORDER]
-#   ORDER: the runs, space-separated, among old new delayed peer bf16 (default: "new old peer"); delayed: this
-#   checkout with --training.fp8=delayed
+#   ORDER: the runs, space-separated, among old new peer bf16 (default: "new old peer")
 set -uo pipefail
 old=$(realpath "${1:?older checkout}"); out=$(realpath "${2:?output directory}"); steps=${3:-100}
 order=${4:-new old peer}
@@ -24,7 +23,6 @@ for name in $order; do
   case $name in
     new) TORCH_LOGS=recompiles train new . --training.fp8=tensorwise ;;
     old) train old "$old" --training.fp8=tensorwise ;;
-    delayed) TORCH_LOGS=recompiles train delayed . --training.fp8=delayed ;;
     bf16) train bf16 . ;;
     peer) timeout 200 python3 bench/peers.py --preset 1.4b --seq-len 2048 --batch 8 --variants compile-float8 \
             --out "$out/peers.json" > "$out/peers.log" 2>&1; echo "== peer rc $?" ;;
@@ -40,7 +38,7 @@ peers = json.loads((out / "peers.json").read_text())["rows"] if (out / "peers.js
 peer = next((r["tokens_per_s"] for r in peers if r["variant"] == "compile-float8"), None)
 if peer:
     print(f"peer compile-float8: {peer:,.0f} tokens/s")
-for name in ("new", "old", "delayed", "bf16"):
+for name in ("new", "old", "bf16"):
     r = rows(out, name)
     if not r:
         continue

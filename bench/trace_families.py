@@ -26,8 +26,11 @@ def fp8_role(name: str) -> str:
     """What an inductor kernel does for FP8, by the ops its name lists: a maximum (abs, max), a cast (the saturating
     clamp), both, or neither (norms, rotary, SwiGLU, the loss, adds)."""
     amax, cast = "abs" in name and "max" in name, "clamp" in name
-    return {(True, True): "maximum and cast", (True, False): "maximum", (False, True): "cast"}.get((amax, cast),
-                                                                                                "no FP8 scaling")
+    if amax and cast:
+        return "maximum and cast"
+    if amax or cast:
+        return "maximum" if amax else "cast"
+    return "no FP8 scaling"
 
 
 def load(path: str) -> dict:

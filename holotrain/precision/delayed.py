@@ -32,7 +32,7 @@ def scale_from(history: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def scale_of(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, first: bool) -> torch.Tensor:
     """x's scale: from the history, or from x itself on the layer's first call (no history yet)."""
-    return scale_from(x.abs().amax().float().reshape(1) if first else history, dtype)
+    return scale_from(x.abs().amax().float() if first else history, dtype)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
