@@ -116,6 +116,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # Linears that read one input, and the method that returns their outputs: a lever may compute them as one GEMM.
+    input_group = ("qkv", ("wq", "wk", "wv"))
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -150,6 +153,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    input_group = ("gate_up", ("w1", "w3"))
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate

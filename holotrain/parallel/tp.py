@@ -33,7 +33,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from holotrain.errors import ConfigError
-from holotrain.model.llama import rms_norm
+from holotrain.model.llama import Attention, FeedForward, rms_norm
 from holotrain.parallel.overlap import (
     MODES, TPComm, ag_linear, all_gather_rows, gather_columns, grad_all_reduce, linear_rs, reduce_scatter_rows,
 )
@@ -74,10 +74,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, section: TPSection) -> TPCom
     plan = {
         "tok_embeddings": VocabParallelEmbedding(comm),
         "layers.*.attention_norm": SequenceParallelNorm(comm),
-        "layers.*.attention": ColumnParallelGroup(comm, "qkv", ("wq", "wk", "wv")),
+        "layers.*.attention": ColumnParallelGroup(comm, *Attention.input_group),
         "layers.*.attention.wo": RowParallel(comm),
         "layers.*.ffn_norm": SequenceParallelNorm(comm),
-        "layers.*.feed_forward": ColumnParallelGroup(comm, "gate_up", ("w1", "w3")),
+        "layers.*.feed_forward": ColumnParallelGroup(comm, *FeedForward.input_group),
         "layers.*.feed_forward.w2": RowParallel(comm),
         "norm": SequenceParallelNorm(comm),
         "output": VocabParallelHead(comm),

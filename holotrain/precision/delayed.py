@@ -16,6 +16,8 @@ live in buffers that checkpoints do not keep, so a resumed run starts them afres
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -95,19 +97,38 @@ class DelayedFp8Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-def convert(module: nn.Linear) -> None:
-    """Makes the linear layer a DelayedFp8Linear, in place (the same parameters), with its three scale histories
-    (buffers that checkpoints do not keep)."""
+def _attach(holder: nn.Module) -> None:
+    """Gives `holder` the three scale histories of one FP8 matmul (buffers that checkpoints do not keep)."""
     for name in HISTORIES:
-        module.register_buffer(name, torch.zeros(HISTORY, device=module.weight.device), persistent=False)
-    module.fp8_started = False
+        holder.register_buffer(name, torch.zeros(HISTORY, device=next(holder.parameters()).device),
+                               persistent=False)
+    holder.fp8_started = False
+
+
+def convert(module: nn.Linear) -> None:
+    """Makes the linear layer a DelayedFp8Linear, in place (the same parameters)."""
+    _attach(module)
     module.__class__ = DelayedFp8Linear
+
+
+def convert_group(parent: nn.Module, method: str, linears: list[nn.Linear]) -> None:
+    """Replaces `parent.<method>`, which returns the outputs of `linears` (bias-free, one input), with one FP8 GEMM
+    over their weights stacked: the input is cast once, not once a layer, the gradient of the input comes out of
+    one GEMM, not as a sum of several, and the GEMMs are larger. The stacked weight has one scale."""
+    _attach(parent)
+    setattr(parent, method, functools.partial(_group_forward, parent, linears))
+
+
+def _group_forward(holder: nn.Module, linears: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    ws = [lin.weight for lin in linears]
+    y = delayed_fp8_matmul(holder, x, torch.cat(ws))
+    return y.split([w.shape[0] for w in ws], dim=-1)
 
 
 def reset(model: nn.Module) -> None:
     """Empties every scale history (after the model is materialized: buffers made on "meta" hold no values)."""
     for module in model.modules():
-        if isinstance(module, DelayedFp8Linear):
+        if hasattr(module, "fp8_started"):
             for name in HISTORIES:
                 getattr(module, name).zero_()
             module.fp8_started = False

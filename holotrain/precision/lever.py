@@ -87,10 +87,7 @@ class Precision:
         if self.recipe == "none":
             return
         if self.recipe == "delayed":
-            for fqn, module in model.named_modules():
-                if admitted(module, fqn, self.skip):
-                    delayed.convert(module)
-                    self.converted.append(fqn)
+            self._apply_delayed(model)
             return
         try:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -114,6 +111,23 @@ class Precision:
             return ok
 
         convert_to_float8_training(model, module_filter_fn=admit, config=config)
+
+    def _apply_delayed(self, model: torch.nn.Module) -> None:
+        """Holotrain's delayed recipe: linears that read one input (a module's `input_group`, e.g. q, k and v) as
+        one FP8 GEMM when all of them are admitted and bias-free, every other admitted linear on its own."""
+        grouped = set()
+        for fqn, module in list(model.named_modules()):
+            method, names = getattr(module, "input_group", (None, ()))
+            fqns = [f"{fqn}.{n}" if fqn else n for n in names]
+            linears = [getattr(module, n, None) for n in names]
+            if names and all(admitted(lin, f, self.skip) and lin.bias is None for lin, f in zip(linears, fqns)):
+                delayed.convert_group(module, method, linears)
+                grouped.update(fqns)
+                self.converted.extend(fqns)
+        for fqn, module in model.named_modules():
+            if fqn not in grouped and admitted(module, fqn, self.skip):
+                delayed.convert(module)
+                self.converted.append(fqn)
 
     def _apply_tp(self, model: torch.nn.Module, tp: int, config) -> None:
         """Under tensor parallelism the linears' forwards are parallel/tp.py's (communication and GEMM on local
