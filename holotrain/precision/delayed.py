@@ -7,6 +7,7 @@ maximum and one to cast, and the scale of a saved input is found and applied aga
 about a quarter of the 1.4b's FP8 step on an H200). A scale known before the tensor exists lets torch.compile
 fuse the cast into the kernel that produces the tensor (a norm, the SwiGLU product, a residual's gradient); the
 current maximum, kept for the history, is a reduction over the same values. Backward reuses the casts forward made.
+Linears that read one input (q, k and v; gate and up) cast it once (convert_group).
 
 The cost: a value above its tensor's recent maximum saturates at the format's largest number (448 for e4m3, 57344
 for e5m2) until the history catches up, one call later. A layer's first call in a process has no history: it scales
@@ -49,86 +50,94 @@ def record(history: torch.Tensor, x: torch.Tensor) -> None:
     history.copy_(torch.cat([top.reshape(1), history[:-1]]))
 
 
-class _DelayedFp8Matmul(torch.autograd.Function):
-    """x [M, K] @ w [N, K]^T with FP8 operands, and FP8 GEMMs for both gradients. torch._scaled_mm takes its first
-    operand row-major and its second column-major, so forward also casts the transposed layouts backward needs."""
+class _DelayedFp8Matmuls(torch.autograd.Function):
+    """x [M, K] @ w^T for each weight w [N, K] of linears that read the same x, with FP8 operands, and FP8 GEMMs for
+    all gradients. x is cast once for all of them; each weight and each output's gradient has its own scale.
+    torch._scaled_mm takes its first operand row-major and its second column-major, so forward also casts the
+    transposed layouts backward needs."""
 
     @staticmethod
-    def forward(ctx, x, w, amax_x, amax_w, amax_g, out_dtype, first):
-        sx, sw = scale_of(x, amax_x, E4M3, first), scale_of(w, amax_w, E4M3, first)
-        x8, w8 = to_fp8(x, sx, E4M3), to_fp8(w, sw, E4M3)
+    def forward(ctx, x, amax_x, out_dtype, first, *weights_and_histories):
+        n = len(weights_and_histories) // 3
+        ws, amax_ws, amax_gs = (weights_and_histories[i * n:(i + 1) * n] for i in range(3))
+        sx = scale_of(x, amax_x, E4M3, first)
+        x8 = to_fp8(x, sx, E4M3)
         record(amax_x, x)
-        record(amax_w, w)
-        ix, iw = sx.reciprocal(), sw.reciprocal()
-        y = torch._scaled_mm(x8, w8.t(), scale_a=ix, scale_b=iw, out_dtype=out_dtype, use_fast_accum=True)
-        # Saved: x^T and w^T in FP8 (a byte a value, where torchao keeps x and w in 16 or 32 bits to cast again).
-        ctx.save_for_backward(x8.t().contiguous(), w8.t().contiguous(), ix, iw)
-        ctx.amax_g, ctx.x_dtype, ctx.w_dtype, ctx.first = amax_g, x.dtype, w.dtype, first
-        return y
+        ix = sx.reciprocal()
+        ys, saved = [], []
+        for w, amax_w in zip(ws, amax_ws):
+            sw = scale_of(w, amax_w, E4M3, first)
+            w8 = to_fp8(w, sw, E4M3)
+            record(amax_w, w)
+            iw = sw.reciprocal()
+            ys.append(torch._scaled_mm(x8, w8.t(), scale_a=ix, scale_b=iw, out_dtype=out_dtype, use_fast_accum=True))
+            saved += [w8.t().contiguous(), iw]
+        # Saved: x^T and each w^T in FP8 (a byte a value, where torchao keeps x and w in 16 or 32 bits to cast again).
+        ctx.save_for_backward(x8.t().contiguous(), ix, *saved)
+        ctx.amax_gs, ctx.x_dtype, ctx.w_dtype, ctx.first = amax_gs, x.dtype, ws[0].dtype, first
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx, g):
-        x8t, w8t, ix, iw = ctx.saved_tensors
-        sg = scale_of(g, ctx.amax_g, E5M2, ctx.first)
-        g8 = to_fp8(g, sg, E5M2)
-        record(ctx.amax_g, g)
-        ig = sg.reciprocal()
-        grad_x = torch._scaled_mm(g8, w8t.t(), scale_a=ig, scale_b=iw, out_dtype=ctx.x_dtype)
-        grad_w = torch._scaled_mm(g8.t().contiguous(), x8t.t(), scale_a=ig, scale_b=ix, out_dtype=ctx.w_dtype)
-        return grad_x, grad_w, None, None, None, None, None
+    def backward(ctx, *gs):
+        x8t, ix, *saved = ctx.saved_tensors
+        grad_x, grad_ws = None, []
+        for g, amax_g, w8t, iw in zip(gs, ctx.amax_gs, saved[0::2], saved[1::2]):
+            sg = scale_of(g, amax_g, E5M2, ctx.first)
+            g8 = to_fp8(g, sg, E5M2)
+            record(amax_g, g)
+            ig = sg.reciprocal()
+            part = torch._scaled_mm(g8, w8t.t(), scale_a=ig, scale_b=iw, out_dtype=ctx.x_dtype)
+            grad_x = part if grad_x is None else grad_x + part
+            grad_ws.append(torch._scaled_mm(g8.t().contiguous(), x8t.t(), scale_a=ig, scale_b=ix,
+                                            out_dtype=ctx.w_dtype))
+        return grad_x, None, None, None, *grad_ws, *([None] * 2 * len(grad_ws))
 
 
-def delayed_fp8_matmul(module: nn.Module, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T through the module's scale histories; the output in the autocast dtype, if on."""
+def delayed_fp8_matmuls(linears: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x [..., K] @ w^T for each linear's weight w [N, K] (DelayedFp8Linears that read this x), x cast to FP8 once
+    by the first linear's input history; the outputs in the autocast dtype, if on."""
+    lead = linears[0]
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    first = not module.fp8_started
+    first = not lead.fp8_started
+    histories = [getattr(lin, h) for h in HISTORIES[1:] for lin in linears]
     with torch.autocast(x.device.type, enabled=False):
-        y = _DelayedFp8Matmul.apply(x.reshape(-1, x.shape[-1]), w, *(getattr(module, h) for h in HISTORIES),
-                                    out_dtype, first)
-    module.fp8_started = True
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+        ys = _DelayedFp8Matmuls.apply(x.reshape(-1, x.shape[-1]), lead.fp8_amax_input, out_dtype, first,
+                                      *(lin.weight for lin in linears), *histories)
+    for lin in linears:
+        lin.fp8_started = True
+    return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
 
 
 class DelayedFp8Linear(nn.Linear):
     """nn.Linear whose matmul runs in FP8 with delayed scaling; the weight stays an ordinary parameter."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = delayed_fp8_matmul(self, x, self.weight)
+        (y,) = delayed_fp8_matmuls([self], x)
         return y if self.bias is None else y + self.bias
 
 
-def _attach(holder: nn.Module) -> None:
-    """Gives `holder` the three scale histories of one FP8 matmul (buffers that checkpoints do not keep)."""
-    for name in HISTORIES:
-        holder.register_buffer(name, torch.zeros(HISTORY, device=next(holder.parameters()).device),
-                               persistent=False)
-    holder.fp8_started = False
-
-
 def convert(module: nn.Linear) -> None:
-    """Makes the linear layer a DelayedFp8Linear, in place (the same parameters)."""
-    _attach(module)
+    """Makes the linear layer a DelayedFp8Linear, in place (the same parameters), with its three scale histories
+    (buffers that checkpoints do not keep)."""
+    for name in HISTORIES:
+        module.register_buffer(name, torch.zeros(HISTORY, device=module.weight.device), persistent=False)
+    module.fp8_started = False
     module.__class__ = DelayedFp8Linear
 
 
 def convert_group(parent: nn.Module, method: str, linears: list[nn.Linear]) -> None:
-    """Replaces `parent.<method>`, which returns the outputs of `linears` (bias-free, one input), with one FP8 GEMM
-    over their weights stacked: the input is cast once, not once a layer, the gradient of the input comes out of
-    one GEMM, not as a sum of several, and the GEMMs are larger. The stacked weight has one scale."""
-    _attach(parent)
-    setattr(parent, method, functools.partial(_group_forward, parent, linears))
-
-
-def _group_forward(holder: nn.Module, linears: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    ws = [lin.weight for lin in linears]
-    y = delayed_fp8_matmul(holder, x, torch.cat(ws))
-    return y.split([w.shape[0] for w in ws], dim=-1)
+    """Converts `linears` (bias-free, reading one input) and replaces `parent.<method>`, which returns their outputs,
+    with one call that casts the input once for all of them: its scale is the first linear's (the others' input
+    histories stay empty). Their GEMMs and all other scales stay their own."""
+    for lin in linears:
+        convert(lin)
+    setattr(parent, method, functools.partial(delayed_fp8_matmuls, linears))
 
 
 def reset(model: nn.Module) -> None:
     """Empties every scale history (after the model is materialized: buffers made on "meta" hold no values)."""
     for module in model.modules():
-        if hasattr(module, "fp8_started"):
+        if isinstance(module, DelayedFp8Linear):
             for name in HISTORIES:
                 getattr(module, name).zero_()
             module.fp8_started = False

@@ -113,8 +113,8 @@ class Precision:
         convert_to_float8_training(model, module_filter_fn=admit, config=config)
 
     def _apply_delayed(self, model: torch.nn.Module) -> None:
-        """Holotrain's delayed recipe: linears that read one input (a module's `input_group`, e.g. q, k and v) as
-        one FP8 GEMM when all of them are admitted and bias-free, every other admitted linear on its own."""
+        """Holotrain's delayed recipe: linears that read one input (a module's `input_group`, e.g. q, k and v) share
+        the input's cast when all of them are admitted and bias-free; every other admitted linear casts its own."""
         grouped = set()
         for fqn, module in list(model.named_modules()):
             method, names = getattr(module, "input_group", (None, ()))
