@@ -116,7 +116,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    # Linears that read one input, and the method that returns their outputs: a lever may compute them as one GEMM.
+    # Linears that read one input, and the method that returns their outputs, for levers that compute them together
+    # (parallel/tp.py: one all-gather and one GEMM; precision/delayed.py: one FP8 cast of the input).
     input_group = ("qkv", ("wq", "wk", "wv"))
 
     def __init__(self, args: LlamaArgs):
