@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -141,9 +142,12 @@ class Precision:
                 self.converted.append(fqn)
 
     def initialize(self, model: torch.nn.Module) -> None:
-        """The recipe's own state, once the model holds values (it was built on "meta")."""
+        """The recipe's own state, once the model holds values (it was built on "meta"). The delayed recipe's scales
+        are refreshed after each backward: through `model.after_backward`, which the training step calls."""
         if self.recipe == "delayed":
-            delayed.reset(model)
+            linears = delayed.layers(model)
+            delayed.reset(linears)
+            model.after_backward = [functools.partial(delayed.refresh, linears)]
 
     def describe(self) -> str | None:
         if self.recipe == "none":

@@ -48,6 +48,8 @@ class TrainStep:
         # Autocast on one device; FSDP2 applies bf16 itself through its mixed-precision policy.
         self.autocast = dtype == torch.bfloat16 and env.world_size == 1
         self.attention = cfg.training.attention
+        # What levers ask to run after each backward (the delayed FP8 recipe's scale refresh: precision/lever.py).
+        self.after_backward = list(getattr(model, "after_backward", ()))
 
     def __call__(self, fetch, accum: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.optimizer.begin(lr, accum)
@@ -62,6 +64,8 @@ class TrainStep:
                     loss = self.model(*batch) / accum
                 with self._phase("backward"):
                     loss.backward()
+                    for hook in self.after_backward:
+                        hook()
                 total = loss.detach() if total is None else total + loss.detach()
         grad_norm = self.optimizer.finish()  # times its own phases (time.optimizer, time.offload_wait)
         return total, grad_norm
