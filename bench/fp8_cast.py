@@ -27,23 +27,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holotrain.hw.probe import cuda_event_median  # noqa: E402
-from holotrain.precision.delayed import E4M3, scale_from, to_fp8  # noqa: E402
+from holotrain.precision.delayed import E4M3, X, cast, scale_from, to_fp8  # noqa: E402
 
 
-def cast_and_max(x, history):
-    x8 = to_fp8(x, scale_from(history, E4M3), E4M3)
-    return x8, x.abs().amax(dim=-1).amax().float()
+def cast_and_max(x, state):
+    """The model's own cast (precision/delayed.py), by the scale in `state`, raising its running maximum."""
+    return cast(x, X, *state, first=False)
 
 
-def fused(x, history):
-    x8, top = cast_and_max(x, history)
-    return x8, x8.t().contiguous(), top
+def fused(x, state):
+    x8, inv = cast_and_max(x, state)
+    return x8, x8.t().contiguous(), inv
 
 
-def dynamic(x, history):
-    top = x.abs().amax().float()
-    x8 = to_fp8(x, scale_from(top.reshape(1), E4M3), E4M3)
-    return x8, x8.t().contiguous(), top
+def dynamic(x, state):
+    scale = scale_from(x.abs().amax().float(), E4M3)
+    x8 = to_fp8(x, scale, E4M3)
+    return x8, x8.t().contiguous(), scale.reciprocal()
 
 
 _transpose = torch.compile(lambda x8: x8.t().contiguous())
@@ -59,9 +59,9 @@ def _(x8: torch.Tensor) -> torch.Tensor:
     return x8.new_empty(x8.shape[::-1])
 
 
-def opaque(x, history):
-    x8, top = cast_and_max(x, history)
-    return x8, fp8_transpose(x8), top
+def opaque(x, state):
+    x8, inv = cast_and_max(x, state)
+    return x8, fp8_transpose(x8), inv
 
 
 def main() -> None:
@@ -76,8 +76,8 @@ def main() -> None:
     c_cast, c_opaque = torch.compile(cast_and_max), torch.compile(opaque)
     ways = {
         "fused": c_fused,
-        "split": lambda x, h: (lambda x8, top: (x8, _transpose(x8), top))(*c_cast(x, h)),
-        "eager-t": lambda x, h: (lambda x8, top: (x8, x8.t().contiguous(), top))(*c_cast(x, h)),
+        "split": lambda x, h: (lambda x8, inv: (x8, _transpose(x8), inv))(*c_cast(x, h)),
+        "eager-t": lambda x, h: (lambda x8, inv: (x8, x8.t().contiguous(), inv))(*c_cast(x, h)),
         "opaque": c_opaque,
         "dynamic": c_dynamic,
     }
@@ -85,16 +85,17 @@ def main() -> None:
     print(f"{'width':>6} {'way':>8} {'us':>8} {'GB/s':>7} {'vs fused':>8}")
     for width in (int(w) for w in a.widths.split(",")):
         x = torch.randn(a.tokens, width, device="cuda", dtype=torch.bfloat16)
-        history = torch.full((16,), float(x.abs().max()), device="cuda")
-        want = [t.float() if t.dtype == E4M3 else t for t in c_fused(x, history)]
+        scale = scale_from(x.abs().amax().float(), E4M3).repeat(3)  # as `dynamic` computes it: the same bits
+        state = (torch.zeros(3, device="cuda"), scale, scale.reciprocal())  # running maxima, scales, reciprocals
+        want = [t.float() if t.dtype == E4M3 else t for t in c_fused(x, state)]
         nbytes = x.numel() * (2 + 1 + 1)
         base = None
         for name, fn in ways.items():
-            got = [t.float() if t.dtype == E4M3 else t for t in fn(x, history)]
+            got = [t.float() if t.dtype == E4M3 else t for t in fn(x, state)]
             if not all(torch.equal(u, v) for u, v in zip(want, got)):
                 print(f"{width:>6} {name:>8} disagrees with fused")
                 continue
-            s = cuda_event_median(lambda fn=fn: fn(x, history), a.reps, warmup=3)
+            s = cuda_event_median(lambda fn=fn: fn(x, state), a.reps, warmup=3)
             base = base or s
             print(f"{width:>6} {name:>8} {s * 1e6:8.1f} {nbytes / s / 1e9:7.0f} {base / s:8.2f}x")
 
