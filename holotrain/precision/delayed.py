@@ -162,7 +162,8 @@ def refresh(linears: list[DelayedFp8Linear]) -> None:
     history = torch.stack([lin.fp8_history for lin in linears])  # [layers, 3, HISTORY]
     history = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
     top = history.amax(dim=-1)
-    largest = torch.tensor([LARGEST[f] for f in FORMATS], device=top.device)
+    largest = torch.full_like(top, LARGEST[E4M3])  # filled on the device: a tensor from a list would wait for it
+    largest[:, G] = LARGEST[E5M2]
     scale = torch.where(top > 0, largest / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
     torch._foreach_copy_([lin.fp8_history for lin in linears], list(history.unbind(0)))
     torch._foreach_copy_([lin.fp8_scale for lin in linears], list(scale.unbind(0)))
