@@ -26,15 +26,14 @@ sys.path.insert(0, "bench")
 from checkpoint_summary import rows, training_rate
 out = Path(sys.argv[1])
 fp8, bf16 = rows(out, "fp8"), rows(out, "bf16")
+for name, r in (("bf16", bf16), ("fp8", fp8)):
+    if r:  # run totals for energy (the acceptance's measure); the last row's loss against bf16's 300-step 4.7587
+        print(f"{name}: {training_rate(r, 20):,.0f} tokens/s over steps 21-{r[-1]['step']}; peak memory "
+              f"{max(x.get('mem.peak_gb') or 0 for x in r):.1f} GB; MFU (last row) {r[-1].get('mfu')}; J per 1k "
+              f"tokens (run) {r[-1]['energy.run_j_per_token'] * 1e3:.2f}; loss at {r[-1]['step']}: {r[-1]['loss']:.4f}")
 if fp8 and bf16:
     a, b = training_rate(bf16, 20), training_rate(fp8, 20)
     print(f"tokens/s over steps 21+: bf16 {a:,.0f}; fp8 {b:,.0f}; ratio {b / a:.3f}")
-    common = min(fp8[-1]["step"], bf16[-1]["step"])
     la = {r["step"]: r["loss"] for r in bf16}; lb = {r["step"]: r["loss"] for r in fp8}
     print("loss by step (bf16, fp8):", [(s, round(la[s], 4), round(lb[s], 4)) for s in sorted(la) if s in lb and s % 50 == 0])
-    for name, r in (("bf16", bf16), ("fp8", fp8)):
-        j = [x["energy.j_per_token"] for x in r if x["step"] > 20 and x.get("energy.j_per_token")]
-        print(f"{name}: peak memory {max(x.get('mem.peak_gb') or 0 for x in r):.1f} GB; mfu (last row) "
-              f"{r[-1].get('mfu')}; J per 1k tokens, median of rows after step 20: "
-              f"{sorted(j)[len(j) // 2] * 1e3 if j else None}")
 PY
