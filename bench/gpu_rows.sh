@@ -24,7 +24,7 @@ for name in $order; do
     new) TORCH_LOGS=recompiles train new . --training.fp8=tensorwise ;;
     old) train old "$old" --training.fp8=tensorwise ;;
     bf16) train bf16 . ;;
-    peer) timeout 200 python3 bench/peers.py --preset 1.4b --seq-len 2048 --batch 8 --variants compile-float8 \
+    peer) timeout 290 python3 bench/peers.py --preset 1.4b --seq-len 2048 --batch 8 --variants compile-float8 \
             --out "$out/peers.json" > "$out/peers.log" 2>&1; echo "== peer rc $?" ;;
   esac
 done
@@ -45,7 +45,7 @@ for name in ("new", "old", "bf16"):
     rate, last = training_rate(r, 20), r[-1]
     print(f"{name}: {rate:,.0f} tokens/s over steps 21-{last['step']}" + (f" = {rate / peer:.3f}x the peer" if peer else "")
           + f"; MFU {last['mfu']:.3f}; run J per 1k tokens {last['energy.run_j_per_token'] * 1e3:.2f}; "
-          f"peak {max(x['mem.peak_gb'] for x in r):.1f} GB; masked micro-batches {last['data.doc_masked_share']:.2f}, "
-          f"rows {last.get('data.doc_masked_row_share')}; loss at {last['step']}: {last['loss']:.4f}; "
+          f"peak {max(x['mem.peak_gb'] for x in r):.1f} GB; masked micro-batches {last['data.doc_masked_share']:.2f}; "
+          f"loss at {last['step']}: {last['loss']:.4f}; "
           f"per-row rates {[round(x['tokens_per_s']) for x in r]}")
 PY

@@ -156,6 +156,33 @@ def test_delayed_fp8_casts_the_input_of_linears_that_read_one_input_once():
     assert block.attention.wv.fp8_amax[delayed.X] > 0 and block.feed_forward.w3.fp8_amax[delayed.X] == 0
 
 
+def test_the_training_step_refreshes_the_delayed_scales_after_every_backward():
+    """The trainer's step (TrainStep, on the model build_model makes) refreshes the delayed recipe's histories and
+    scales after each micro-batch's backward: two steps of two micro-batches fill four history entries."""
+    from holotrain.config import load_config, resolve
+    from holotrain.parallel import DistEnv
+    from holotrain.precision import delayed
+    from holotrain.train.trainer import TrainStep, build_model, build_optimizer
+
+    cfg = resolve(load_config(None, [
+        "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
+        "--data.seq_len=8", "--training.fp8=delayed", "--training.fp8_emulate=true",
+    ]), tokenizer_vocab=64)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model = build_model(cfg, env, torch.float32)
+    step = TrainStep(model, build_optimizer(model, cfg, env), cfg, env, torch.float32)
+    batch = (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
+    linears = delayed.layers(model)
+    assert len(linears) == 7 and not any(lin.fp8_started for lin in linears)
+    for _ in range(2):
+        step(lambda m: batch, 2, 1e-3)
+    for lin in linears:
+        assert lin.fp8_started and (lin.fp8_amax == 0).all()
+        seen = lin.fp8_history[delayed.W:]  # every layer's weight and output gradient (inputs: the group's first)
+        assert (seen[:, :4] > 0).all() and (seen[:, 4:] == 0).all()
+        assert torch.allclose(lin.fp8_scale[delayed.W], 448.0 / seen[0].max())
+
+
 def test_delayed_fp8_saturates_a_value_above_its_recent_maxima():
     from holotrain.precision import delayed
 
