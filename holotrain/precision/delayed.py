@@ -33,6 +33,10 @@ LARGEST = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 # Each layer's state holds three tensors' values, in this order: its input, its weight, its output's gradient.
 X, W, G = 0, 1, 2
 FORMATS = (E4M3, E4M3, E5M2)
+# The reciprocal scales the GEMMs take are buffers of their own: inductor's scaled-GEMM templates (torch 2.11) fail to
+# lower a scale that is an element of a larger buffer.
+INV_SCALES = ("fp8_inv_scale_x", "fp8_inv_scale_w", "fp8_inv_scale_g")
+STATE = ("fp8_amax", "fp8_scale", *INV_SCALES)  # what a call reads and writes, in cast's argument order
 
 
 def scale_from(history: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -45,8 +49,8 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return (x.float() * scale).clamp(-LARGEST[dtype], LARGEST[dtype]).to(dtype)
 
 
-def cast(x: torch.Tensor, i: int, amax: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor,
-         first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def cast(x: torch.Tensor, i: int, amax: torch.Tensor, scale: torch.Tensor, inv_x: torch.Tensor, inv_w: torch.Tensor,
+         inv_g: torch.Tensor, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x in FP8 by its layer's scale for tensor i (X, W or G), or by x's own maximum before the layer's first refresh,
     and the reciprocal scale its GEMM takes. Raises the layer's running maximum for tensor i to x's. The maximum is
     taken per row first: a reduction the kernel that makes x (often a per-row reduction itself, as a norm is) can
@@ -57,20 +61,19 @@ def cast(x: torch.Tensor, i: int, amax: torch.Tensor, scale: torch.Tensor, inv_s
     if first:
         own = scale_from(top, FORMATS[i])
         return to_fp8(x, own, FORMATS[i]), own.reciprocal()
-    return to_fp8(x, scale[i], FORMATS[i]), inv_scale[i]
+    return to_fp8(x, scale[i], FORMATS[i]), (inv_x, inv_w, inv_g)[i]
 
 
 class _DelayedFp8Matmuls(torch.autograd.Function):
     """x [M, K] @ w^T for each weight w [N, K] of linears that read the same x, with FP8 operands, and FP8 GEMMs for
     all gradients. x is cast once for all of them, by the first linear's input scale; each weight and each output's
     gradient has its own scale. torch._scaled_mm takes its first operand row-major and its second column-major, so
-    forward also casts the transposed layouts backward needs. `states`: each linear's (fp8_amax, fp8_scale,
-    fp8_inv_scale)."""
+    forward also casts the transposed layouts backward needs. `states`: each linear's buffers named in STATE."""
 
     @staticmethod
     def forward(ctx, x, out_dtype, first, *weights_and_states):
-        n = len(weights_and_states) // 4
-        ws, states = weights_and_states[:n], [weights_and_states[n + 3 * k:n + 3 * k + 3] for k in range(n)]
+        n, k = len(weights_and_states) // (1 + len(STATE)), len(STATE)
+        ws, states = weights_and_states[:n], [weights_and_states[n + k * j:n + k * (j + 1)] for j in range(n)]
         x8, ix = cast(x, X, *states[0], first)
         ys, saved = [], []
         for w, state in zip(ws, states):
@@ -92,7 +95,7 @@ class _DelayedFp8Matmuls(torch.autograd.Function):
             grad_x = part if grad_x is None else grad_x + part
             grad_ws.append(torch._scaled_mm(g8.t().contiguous(), x8t.t(), scale_a=ig, scale_b=ix,
                                             out_dtype=ctx.w_dtype))
-        return grad_x, None, None, *grad_ws, *([None] * 3 * len(grad_ws))
+        return grad_x, None, None, *grad_ws, *([None] * len(STATE) * len(grad_ws))
 
 
 def delayed_fp8_matmuls(linears: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -100,7 +103,7 @@ def delayed_fp8_matmuls(linears: list[nn.Linear], x: torch.Tensor) -> tuple[torc
     by the first linear's input scale; the outputs in the autocast dtype, if on."""
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     first = not linears[0].fp8_started
-    states = [getattr(lin, name) for lin in linears for name in ("fp8_amax", "fp8_scale", "fp8_inv_scale")]
+    states = [getattr(lin, name) for lin in linears for name in STATE]
     with torch.autocast(x.device.type, enabled=False):
         ys = _DelayedFp8Matmuls.apply(x.reshape(-1, x.shape[-1]), out_dtype, first,
                                       *(lin.weight for lin in linears), *states)
@@ -122,7 +125,8 @@ def convert(module: nn.Linear) -> None:
     module.register_buffer("fp8_amax", torch.zeros(3, device=device), persistent=False)
     module.register_buffer("fp8_history", torch.zeros(3, HISTORY, device=device), persistent=False)
     module.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
-    module.register_buffer("fp8_inv_scale", torch.ones(3, device=device), persistent=False)
+    for name in INV_SCALES:
+        module.register_buffer(name, torch.ones((), device=device), persistent=False)
     module.fp8_started = False
     module.__class__ = DelayedFp8Linear
 
@@ -147,7 +151,8 @@ def reset(linears: list[DelayedFp8Linear]) -> None:
         lin.fp8_amax.zero_()
         lin.fp8_history.zero_()
         lin.fp8_scale.fill_(1.0)
-        lin.fp8_inv_scale.fill_(1.0)
+        for name in INV_SCALES:
+            getattr(lin, name).fill_(1.0)
         lin.fp8_started = False
 
 
@@ -167,7 +172,8 @@ def refresh(linears: list[DelayedFp8Linear]) -> None:
     scale = torch.where(top > 0, largest / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
     torch._foreach_copy_([lin.fp8_history for lin in linears], list(history.unbind(0)))
     torch._foreach_copy_([lin.fp8_scale for lin in linears], list(scale.unbind(0)))
-    torch._foreach_copy_([lin.fp8_inv_scale for lin in linears], list(scale.reciprocal().unbind(0)))
+    torch._foreach_copy_([getattr(lin, name) for lin in linears for name in INV_SCALES],
+                         list(scale.reciprocal().flatten().unbind(0)))
     torch._foreach_zero_([lin.fp8_amax for lin in linears])
     for lin in linears:
         lin.fp8_started = True
