@@ -9,9 +9,10 @@ Ways, each compiled by inductor and checked against the first:
   split      cast and maximum compiled, then the transpose of the FP8 result compiled on its own (one byte read
              a value more, but a kernel that may tile the transposed store)
   eager-t    cast and maximum compiled, the transpose by ATen's copy
-  opaque     one compiled function as "fused", but the transpose is a custom op (opaque to inductor) that runs
-             the separately compiled transpose: how the model's blocks would get "split"
+  tiled      one compiled function as "fused", but the transpose is precision/transpose.py's op (opaque to
+             inductor, a tiled Triton kernel): what the model's blocks run
   dynamic    the maximum first, then cast and transpose: tensorwise scaling's two passes (torchao's)
+Then the transposes alone, of the cast result: inductor's (t-inductor) and the op's (t-tiled).
 Each row gives the median time and the bytes it must move at least (the 16-bit read, two one-byte writes) over
 that time.
 """
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holotrain.hw.probe import cuda_event_median  # noqa: E402
 from holotrain.precision.delayed import E4M3, X, cast, scale_from, to_fp8  # noqa: E402
+from holotrain.precision.transpose import fp8_transpose  # noqa: E402
 
 
 def cast_and_max(x, state):
@@ -49,17 +51,7 @@ def dynamic(x, state):
 _transpose = torch.compile(lambda x8: x8.t().contiguous())
 
 
-@torch.library.custom_op("holotrain_bench::fp8_transpose", mutates_args=())
-def fp8_transpose(x8: torch.Tensor) -> torch.Tensor:
-    return _transpose(x8)
-
-
-@fp8_transpose.register_fake
-def _(x8: torch.Tensor) -> torch.Tensor:
-    return x8.new_empty(x8.shape[::-1])
-
-
-def opaque(x, state):
+def tiled(x, state):
     x8, inv = cast_and_max(x, state)
     return x8, fp8_transpose(x8), inv
 
@@ -73,12 +65,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/fp8_cast.py needs a CUDA device")
     c_fused, c_dynamic = torch.compile(fused), torch.compile(dynamic)
-    c_cast, c_opaque = torch.compile(cast_and_max), torch.compile(opaque)
+    c_cast, c_tiled = torch.compile(cast_and_max), torch.compile(tiled)
     ways = {
         "fused": c_fused,
         "split": lambda x, h: (lambda x8, inv: (x8, _transpose(x8), inv))(*c_cast(x, h)),
         "eager-t": lambda x, h: (lambda x8, inv: (x8, x8.t().contiguous(), inv))(*c_cast(x, h)),
-        "opaque": c_opaque,
+        "tiled": c_tiled,
         "dynamic": c_dynamic,
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {a.tokens} tokens")
@@ -86,7 +78,8 @@ def main() -> None:
     for width in (int(w) for w in a.widths.split(",")):
         x = torch.randn(a.tokens, width, device="cuda", dtype=torch.bfloat16)
         scale = scale_from(x.abs().amax().float(), E4M3).repeat(3)  # as `dynamic` computes it: the same bits
-        state = (torch.zeros(3, device="cuda"), scale, scale.reciprocal())  # running maxima, scales, reciprocals
+        inv = scale[0].reciprocal()
+        state = (torch.zeros(3, device="cuda"), scale, inv, inv, inv)  # running maxima, scales, reciprocals
         want = [t.float() if t.dtype == E4M3 else t for t in c_fused(x, state)]
         nbytes = x.numel() * (2 + 1 + 1)
         base = None
@@ -98,6 +91,11 @@ def main() -> None:
             s = cuda_event_median(lambda fn=fn: fn(x, state), a.reps, warmup=3)
             base = base or s
             print(f"{width:>6} {name:>8} {s * 1e6:8.1f} {nbytes / s / 1e9:7.0f} {base / s:8.2f}x")
+        x8 = want[0].to(E4M3)  # the transposes alone: a byte read and a byte written a value
+        for name, fn in (("t-inductor", _transpose), ("t-tiled", fp8_transpose)):
+            assert torch.equal(fn(x8).float(), x8.t().float())
+            s = cuda_event_median(lambda fn=fn: fn(x8), a.reps, warmup=3)
+            print(f"{width:>6} {name:>8} {s * 1e6:8.1f} {x8.numel() * 2 / s / 1e9:7.0f}")
 
 
 if __name__ == "__main__":

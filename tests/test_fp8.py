@@ -183,6 +183,29 @@ def test_the_training_step_refreshes_the_delayed_scales_after_every_backward():
         assert torch.allclose(lin.fp8_scale[delayed.W], 448.0 / seen[0].max())
 
 
+def test_the_fp8_transpose_op_is_the_transpose_eager_and_compiled():
+    """precision/transpose.py: the delayed recipe's transposes, an op opaque to inductor (its CPU path is the
+    reference the GPU kernel is checked against below)."""
+    from holotrain.precision.transpose import fp8_transpose
+
+    x = torch.randn(37, 70).to(torch.float8_e5m2)
+    for fn in (fp8_transpose, torch.compile(lambda t: fp8_transpose(t * 1)), torch.compile(fp8_transpose)):
+        y = fn(x)
+        assert y.dtype == x.dtype and y.is_contiguous() and torch.equal(y.float(), x.t().float())
+    torch.library.opcheck(fp8_transpose, (torch.randint(0, 255, (5, 9), dtype=torch.uint8),))
+    with pytest.raises(ValueError, match="one-byte values"):
+        fp8_transpose(torch.zeros(3, 3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_fp8_transpose_kernel_matches_torch_on_the_gpu():
+    from holotrain.precision.transpose import fp8_transpose
+
+    for rows, cols in ((1000, 333), (16384, 2048), (2048, 5632), (1, 7)):
+        x = torch.randn(rows, cols, device="cuda").to(torch.float8_e4m3fn)
+        assert torch.equal(fp8_transpose(x).view(torch.uint8), x.t().contiguous().view(torch.uint8))
+
+
 def test_delayed_fp8_saturates_a_value_above_its_recent_maxima():
     from holotrain.precision import delayed
 

@@ -27,6 +27,8 @@ import functools
 import torch
 from torch import nn
 
+from holotrain.precision.transpose import fp8_transpose
+
 HISTORY = 16  # backward passes (micro-batches) whose maxima a scale covers
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 LARGEST = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
@@ -79,9 +81,9 @@ class _DelayedFp8Matmuls(torch.autograd.Function):
         for w, state in zip(ws, states):
             w8, iw = cast(w, W, *state, first)
             ys.append(torch._scaled_mm(x8, w8.t(), scale_a=ix, scale_b=iw, out_dtype=out_dtype, use_fast_accum=True))
-            saved += [w8.t().contiguous(), iw]
+            saved += [fp8_transpose(w8), iw]
         # Saved: x^T and each w^T in FP8 (a byte a value, where torchao keeps x and w in 16 or 32 bits to cast again).
-        ctx.save_for_backward(x8.t().contiguous(), ix, *saved)
+        ctx.save_for_backward(fp8_transpose(x8), ix, *saved)
         ctx.states, ctx.x_dtype, ctx.w_dtype, ctx.first = states, x.dtype, ws[0].dtype, first
         return tuple(ys)
 
@@ -93,7 +95,7 @@ class _DelayedFp8Matmuls(torch.autograd.Function):
             g8, ig = cast(g, G, *state, ctx.first)
             part = torch._scaled_mm(g8, w8t.t(), scale_a=ig, scale_b=iw, out_dtype=ctx.x_dtype)
             grad_x = part if grad_x is None else grad_x + part
-            grad_ws.append(torch._scaled_mm(g8.t().contiguous(), x8t.t(), scale_a=ig, scale_b=ix,
+            grad_ws.append(torch._scaled_mm(fp8_transpose(g8), x8t.t(), scale_a=ig, scale_b=ix,
                                             out_dtype=ctx.w_dtype))
         return grad_x, None, None, *grad_ws, *([None] * len(STATE) * len(grad_ws))
 
