@@ -12,8 +12,7 @@ Ways, each compiled by inductor and checked against the first:
   tiled      one compiled function as "fused", but the transpose is precision/transpose.py's op (opaque to
              inductor, a tiled Triton kernel): what the model's blocks run
   dynamic    the maximum first, then cast and transpose: tensorwise scaling's two passes (torchao's)
-Then the transposes alone, of the cast result: inductor's (t-inductor), the op's (t-op: the fastest of its
-kernels, chosen at its first call), and each of the op's kernels and tile shapes.
+Then the transposes alone, of the cast result: inductor's (t-inductor) and the op's (t-tiled).
 Each row gives the median time and the bytes it must move at least (the 16-bit read, two one-byte writes) over
 that time.
 """
@@ -31,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from holotrain.hw.probe import cuda_event_median  # noqa: E402
 from holotrain.precision.delayed import E4M3, X, cast, scale_from, to_fp8  # noqa: E402
 from holotrain.precision.transpose import fp8_transpose  # noqa: E402
-from holotrain.precision import transpose_kernel  # noqa: E402
 
 
 def cast_and_max(x, state):
@@ -76,7 +74,7 @@ def main() -> None:
         "dynamic": c_dynamic,
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {a.tokens} tokens")
-    print(f"{'width':>6} {'way':>16} {'us':>8} {'GB/s':>7} {'vs fused':>8}")
+    print(f"{'width':>6} {'way':>8} {'us':>8} {'GB/s':>7} {'vs fused':>8}")
     for width in (int(w) for w in a.widths.split(",")):
         x = torch.randn(a.tokens, width, device="cuda", dtype=torch.bfloat16)
         scale = scale_from(x.abs().amax().float(), E4M3).repeat(3)  # as `dynamic` computes it: the same bits
@@ -88,23 +86,16 @@ def main() -> None:
         for name, fn in ways.items():
             got = [t.float() if t.dtype == E4M3 else t for t in fn(x, state)]
             if not all(torch.equal(u, v) for u, v in zip(want, got)):
-                print(f"{width:>6} {name:>16} disagrees with fused")
+                print(f"{width:>6} {name:>8} disagrees with fused")
                 continue
             s = cuda_event_median(lambda fn=fn: fn(x, state), a.reps, warmup=3)
             base = base or s
-            print(f"{width:>6} {name:>16} {s * 1e6:8.1f} {nbytes / s / 1e9:7.0f} {base / s:8.2f}x")
+            print(f"{width:>6} {name:>8} {s * 1e6:8.1f} {nbytes / s / 1e9:7.0f} {base / s:8.2f}x")
         x8 = want[0].to(E4M3)  # the transposes alone: a byte read and a byte written a value
-        src = x8.view(torch.uint8)
-        dst = torch.empty_like(src.t().contiguous())
-        ways = {"t-inductor": lambda: _transpose(x8), "t-op": lambda: fp8_transpose(x8)}
-        ways.update({name: lambda fn=fn: fn(src, dst) for name, fn in transpose_kernel._ways(src).items()})
-        for name, fn in ways.items():
-            dst.zero_()
-            out = fn()
-            assert torch.equal((dst if out is None else out.view(torch.uint8)), src.t()), name
-            s = cuda_event_median(fn, a.reps, warmup=3)
-            print(f"{width:>6} {name:>16} {s * 1e6:8.1f} {x8.numel() * 2 / s / 1e9:7.0f}")
-        print(f"{width:>6} the op's choice: {transpose_kernel._chosen}")
+        for name, fn in (("t-inductor", _transpose), ("t-tiled", fp8_transpose)):
+            assert torch.equal(fn(x8).float(), x8.t().float())
+            s = cuda_event_median(lambda fn=fn: fn(x8), a.reps, warmup=3)
+            print(f"{width:>6} {name:>8} {s * 1e6:8.1f} {x8.numel() * 2 / s / 1e9:7.0f}")
 
 
 if __name__ == "__main__":
