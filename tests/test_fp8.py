@@ -206,6 +206,20 @@ def test_the_fp8_transpose_kernel_matches_torch_on_the_gpu():
         assert torch.equal(fp8_transpose(x).view(torch.uint8), x.t().contiguous().view(torch.uint8))
 
 
+def test_the_fp8_transpose_kernel_compiles_for_hopper_without_a_gpu():
+    """Triton's compiler, not its interpreter (a kernel the interpreter runs can still fail to compile), on any
+    machine with Triton; the GPU test below runs it."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from holotrain.precision.transpose_kernel import _transpose
+
+    blocks = {"BLOCK_M": 128, "BLOCK_N": 128}
+    signature = {"src": "*u8", "dst": "*u8", "M": "i32", "N": "i32", **{n: "constexpr" for n in blocks}}
+    source = triton.compiler.ASTSource(fn=_transpose.fn, signature=signature, constexprs=blocks)
+    assert "cubin" in triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm
+
+
 def test_delayed_fp8_saturates_a_value_above_its_recent_maxima():
     from holotrain.precision import delayed
 
