@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from holotrain.train.checkpoint import SafeFileSystemReader, latest_checkpoint, memory_root
-from tests.conftest import read_metrics, run_cli, sigkill_after, tiny_args
+from tests.conftest import read_metrics, run_cli, run_cli_here, sigkill_after, tiny_args
 from tests.test_distributed import torchrun
 
 STEPS = 20
@@ -116,7 +116,7 @@ def test_fit_error_names_the_numbers_and_the_keys(tmp_path):
 
 
 def _setup(offload: bool, clip: float = 1.0, ratio: float = 1.0, layers: int = 2, ac: str = "none",
-           kernel: str = "auto", ac_blocks: int = 0):
+           kernel: str = "auto", ac_blocks: int = 0, delayed: bool = False):
     from holotrain.config import load_config, resolve
     from holotrain.memory import build_optimizer
     from holotrain.optim import AdamWHyper
@@ -128,6 +128,7 @@ def _setup(offload: bool, clip: float = 1.0, ratio: float = 1.0, layers: int = 2
         "--model.ffn_dim=176", "--data.seq_len=16", f"--training.grad_clip={clip}", f"--memory.offload={offload}",
         f"--memory.offload_ratio={ratio}", f"--memory.activation_checkpointing={ac}",
         f"--memory.offload_kernel={kernel}", f"--memory.activation_checkpointing_blocks={ac_blocks}",
+        f"--memory.offload_delayed_update={delayed}",
     ]), tokenizer_vocab=128)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model = build_model(cfg, env, torch.float32)
@@ -325,6 +326,119 @@ def test_held_state_keeps_the_finished_step_while_training_goes_on(clip, kernel)
     _, unheld = run(12)
     for k, v in unheld.items():
         assert torch.equal(final[k], v), k
+
+
+def _stale_by_one(clip, steps, batches, lr):
+    """Plain training where the gradient of step s is taken on the 2-D weights as they were before the previous
+    step's update (ZeRO-Offload's delayed parameter update), then applied to the current ones; 1-D weights (on the
+    device under offload) are current."""
+    from holotrain.memory.plan import offloadable
+
+    model, opt, _ = _setup(False, clip)
+    delayed = [p for p in model.parameters() if offloadable(p)]
+    stale, out = [p.detach().clone() for p in delayed], []
+    for s in range(steps):
+        current = [p.detach().clone() for p in delayed]
+        with torch.no_grad():
+            torch._foreach_copy_(delayed, stale)
+        opt.begin(lr(s), 1)
+        loss = model(*batches[s % len(batches)])
+        loss.backward()
+        with torch.no_grad():
+            torch._foreach_copy_(delayed, current)
+        out.append((loss.item(), opt.finish().item()))
+        stale = current
+    return out, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("clip", [100.0, 0.3])
+def test_delayed_update_trains_one_step_stale_with_the_exact_clip(clip, kernel):
+    """memory.offload_delayed_update: each step's forward and backward run on the weights from one update earlier
+    (the CPU step overlaps the whole next step); every update is the exact, clipped one, never speculated."""
+    from holotrain.memory import offload
+
+    if kernel == "native" and offload.cpu_kernels("auto") is None:
+        pytest.skip("the compiled CPU loops are unavailable (no C++ compiler or ninja)")
+    batches, steps = _batches(), 10
+    lr = lambda s: 3e-3 * min(1.0, (s + 1) / 3)  # noqa: E731
+    ref, ref_w = _stale_by_one(clip, steps, batches, lr)
+    model, opt, step = _setup(True, clip, kernel=kernel, delayed=True)
+    got = []
+    for s in range(steps):
+        loss, norm = step(lambda m, s=s: batches[s % len(batches)], 1, lr(s))
+        got.append((loss.item(), norm.item()))
+    opt.synchronize()
+    stats = opt.metrics(steps)
+    masters = {k: v.clone() for k, v in opt.state_dict()["model"].items()}
+    for (l1, n1), (l2, n2) in zip(ref, got):
+        assert l2 == pytest.approx(l1, abs=1e-5) and n2 == pytest.approx(n1, rel=1e-5)
+    assert got[1][0] != _train(True, clip, steps=2, accum=1)[0][1][0]  # not the ordinary trajectory
+    for k, v in ref_w.items():
+        assert torch.allclose(masters[k], v, atol=1e-5, rtol=1e-5), k
+    assert stats["offload.speculated"] == 0 and stats["offload.rollbacks"] == 0
+    assert stats["offload.release_wait_s"] >= 0
+    # The working weights are a step behind: the masters are the next backward's upload.
+    b = opt.buckets[-1]
+    assert b.pending_upload and not torch.equal(b.params[0].detach(), b.view(b.master, 0))
+    opt.close()
+
+
+def test_delayed_update_writes_the_weights_over_the_gradient_bit_for_bit():
+    """The compiled AdamW loop with its output buffer the gradient's own (what the delayed update does) writes
+    what it writes into a separate buffer."""
+    from holotrain.memory import offload
+
+    kernels = offload.cpu_kernels("auto")
+    if kernels is None:
+        pytest.skip("the compiled CPU loops are unavailable (no C++ compiler or ninja)")
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        state = [torch.randn(100_003, generator=g) for _ in range(2)] + [torch.rand(100_003, generator=g)]
+        grad = torch.randn(100_003, generator=g).to(dtype)
+        results = []
+        for aliased in (False, True):
+            p, m, v = (x.clone() for x in state)
+            gr = grad.clone()
+            out = gr if aliased else torch.empty_like(gr)
+            offload.adamw_flat(p, m, v, gr, out, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, t=3,
+                               scale=2.0, kernels=kernels, threads=2)
+            results.append((p, m, v, out))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+DELAYED = {"training.steps": 12, "checkpoint.every": 2, "memory.offload": True,
+           "memory.offload_delayed_update": True}
+
+
+def test_delayed_update_resumes_exactly_and_from_an_ordinary_checkpoint(tmp_path):
+    """A delayed run's checkpoint keeps the working weights (a step behind the masters): killed and resumed from
+    disk, or from an in-memory snapshot, it trains the uninterrupted curve. An ordinary offload run's checkpoint
+    (no working weights: they were the masters) resumes under the delayed update, and back."""
+    full = tmp_path / "full"
+    run_cli("train", *tiny_args(full, **DELAYED))
+    assert any(r["grad_norm"] > 1.0 for r in read_metrics(full))  # clipping is active
+    for name, extra in (("disk", {}), ("ram", {"checkpoint.every": 0, "checkpoint.memory_every": 1})):
+        args = ["train", *tiny_args(tmp_path / name, **{**DELAYED, **extra})]
+        killed_at = sigkill_after(args, tmp_path / name, 5)
+        proc = run_cli(*args)
+        assert "resuming from" in proc.stdout, proc.stdout
+        assert curve(tmp_path / name) == curve(full), (name, killed_at)
+    mixed = tmp_path / "mixed"
+    run_cli("train", *tiny_args(mixed, **{**DELAYED, "training.steps": 4, "memory.offload_delayed_update": False}))
+    for steps, on in ((8, True), (10, False)):
+        proc = run_cli("train", *tiny_args(mixed, **{**DELAYED, "training.steps": steps,
+                                                     "memory.offload_delayed_update": on}))
+        assert "resuming from" in proc.stdout and read_metrics(mixed)[-1]["step"] == steps
+
+
+def test_delayed_update_needs_offload_and_one_micro_batch(tmp_path):
+    proc = run_cli_here("train", *tiny_args(tmp_path / "a", **{"memory.offload_delayed_update": True}))
+    assert proc.returncode == 2 and "memory.offload_delayed_update = true needs memory.offload" in proc.stderr
+    proc = run_cli_here("train", *tiny_args(tmp_path / "b", **{"memory.offload_delayed_update": True,
+                                                            "memory.offload": True, "training.micro_batch_size": 2}))
+    assert proc.returncode == 2 and "training.micro_batch_size" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_non_finite_gradient_skips_the_offloaded_step():

@@ -270,12 +270,31 @@ def load_checkpoint(path: Path, optimizer) -> dict:
     quiet = _DropLoaderTracebacks()
     logging.getLogger().addFilter(quiet)
     try:
+        reader = SafeFileSystemReader(path)
+        _drop_unsaved_optional(state, optimizer, reader)
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path))
+            dcp.load(state, checkpoint_id=path, storage_reader=reader)
     finally:
         logging.getLogger().removeFilter(quiet)
     apply_loaded(state, optimizer)
     return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def _drop_unsaved_optional(state: dict, optimizer, reader) -> None:
+    """Entries of the state that a checkpoint may lack (StepOptimizer.optional_paths: e.g. what only a run with a
+    setting on saves) are not asked of a checkpoint that does not have them; the optimizer's load_state_dict then
+    finds them missing."""
+    optional = getattr(optimizer, "optional_paths", ())
+    if not optional:
+        return
+    saved = reader.read_metadata().state_dict_metadata
+    for keys in optional:
+        prefix = ".".join(keys) + "."
+        if not any(k.startswith(prefix) for k in saved):
+            parent = state
+            for k in keys[:-1]:
+                parent = parent[k]
+            parent.pop(keys[-1], None)
 
 
 def apply_loaded(state: dict, optimizer) -> None:

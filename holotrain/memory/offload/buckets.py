@@ -96,6 +96,9 @@ class Bucket:
         self.held_for: object | None = None
         self.held = False  # a checkpoint is reading one of the two sets
         self.upload_event = None  # CUDA event: the latest upload has landed
+        # Delayed update: the staging buffer holds the bucket's new weights (in the working dtype), to be uploaded
+        # when the next backward is done with the old ones.
+        self.pending_upload = False
 
     @property
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,12 +10,14 @@ import contextlib
 import functools
 import math
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from holotrain.errors import ConfigError
 from holotrain.memory.offload.buckets import FINAL, Bucket, Decision, Step, UploadBuffer, local, squared_norm
 from holotrain.memory.offload.host import unregister
 from holotrain.memory.offload.kernels import CHUNK, cpu_kernels
@@ -54,6 +56,11 @@ class OffloadEngine(CpuWorker):
         # fp32 shards and gathers them in bf16 itself; on the CPU the working dtype is the compute dtype (fp32).
         self.working_dtype = compute_dtype if not self.sharded else torch.float32
         self.threads = section.offload_threads or max(1, usable_cores() // max(1, env.local_world_size) - 1)
+        # The delayed parameter update (memory.offload_delayed_update; see the package's docstring).
+        self.delayed = section.offload_delayed_update
+        if self.delayed and self.sharded:
+            raise ConfigError("memory.offload_delayed_update = true runs on one process, not on "
+                              f"{env.world_size} ranks yet")
 
         units = model_units(model)
         cpu_units = offloaded_units(units, section.offload_ratio)
@@ -122,13 +129,18 @@ class OffloadEngine(CpuWorker):
         """Before the first micro-batch of a step."""
         self._raise_if_failed()
         landings = 1 if self.sharded else accum  # FSDP2 reduce-scatters (and calls the hooks) once per step
+        if self.delayed and landings > 1:
+            raise ConfigError(f"memory.offload_delayed_update = true takes one micro-batch per step, not {accum} "
+                              "(training.micro_batch_size = training.batch_size)")
         if landings > 1:
             for b in self.buckets:
                 if b.acc is None:
                     b.acc = torch.empty(b.numel, dtype=torch.float32)
         for b in self.buckets:
             b.staged = b.arrived = 0
-        self._step = Step(lr=lr, t=self.step_count + 1, landings=landings, speculate=self.speculate_next)
+        # Delayed updates always know the norm first: the whole next step hides them.
+        self._step = Step(lr=lr, t=self.step_count + 1, landings=landings,
+                          speculate=self.speculate_next and not self.delayed)
 
     def finish(self) -> torch.Tensor:
         """After the last backward: waits for the gradients to land (the exposed wait, time.offload_wait), then
@@ -209,6 +221,8 @@ class OffloadEngine(CpuWorker):
             "offload.h2d_s": s["h2d_s"] / n,
             "offload.rollbacks": s["rollbacks"] / n,
             "offload.speculated": s["speculated"] / max(1, s["steps"]),
+            # Delayed update: backward blocked until the CPU had finished the previous step's update of a bucket.
+            "offload.release_wait_s": s["release_wait_s"] / n,
         }
 
     def state_dict(self) -> dict:
@@ -221,10 +235,18 @@ class OffloadEngine(CpuWorker):
 
     def prepare_hold(self) -> str | None:
         """A spare set of masters and moments (state.HeldState); why not, if the host has no room."""
+        if self.delayed:
+            return ("with memory.offload_delayed_update the GPU's weights are a step behind the masters and are "
+                    "saved with them")
         return allocate_spares(self)
 
     def hold(self, wait: bool = True):
         return hold_state(self, wait)
+
+    @property
+    def optional_paths(self) -> tuple:
+        """State entries a checkpoint may lack: the working weights only a delayed run saves."""
+        return (("offload", "working"),) if self.delayed else ()
 
     @property
     def held_paths(self) -> frozenset:
@@ -259,8 +281,17 @@ class OffloadEngine(CpuWorker):
         b.arrived = 0
         step, m = self._step, b.staged
         b.staged += 1
-        self._wait(lambda: b.staging_free)  # the previous micro-batch's gradient has been added up
+        t0 = time.perf_counter()
+        # The previous micro-batch's gradient has been added up; delayed: the previous step's update is done.
+        self._wait(lambda: b.staging_free)
+        if self.delayed:
+            self._count("release_wait_s", time.perf_counter() - t0)
         b.staging_free = False
+        if self.cuda:
+            # On the stream that produced the gradients (FSDP2: its reduce-scatter stream).
+            b.grads_ready = torch.cuda.current_stream().record_event()
+        if b.pending_upload:
+            self._upload_staged(b)
         grads = [local(p.grad) for p in b.params]
         # One landing per step: the bucket's squared norm is taken here, on the device (a read of the gradient
         # that the GPU does in microseconds), so the host never makes a pass over it. With accumulation the norm is
@@ -268,8 +299,6 @@ class OffloadEngine(CpuWorker):
         sq = squared_norm(grads) if step.landings == 1 else None
         copied = None
         if self.cuda:
-            # On the stream that produced the gradients (FSDP2: its reduce-scatter stream).
-            b.grads_ready = torch.cuda.current_stream().record_event()
             self._d2h.wait_event(b.grads_ready)
             start, copied = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self._d2h):
@@ -294,6 +323,29 @@ class OffloadEngine(CpuWorker):
                 self._transfers.append(("d2h_s", start, copied))
             self._arrivals.append((b, step, m, copied))
             self._lock.notify_all()
+
+    def _upload_staged(self, b: Bucket) -> None:
+        """Delayed update: the new weights the bucket's last update wrote over its gradient in the staging buffer
+        become its working weights, now that this backward is done with the old ones, before the buffer takes the
+        new gradient (on a GPU: the H2D copy waits for backward's event, the D2H copy waits for it)."""
+        if not self.cuda:
+            for i, p in enumerate(b.params):
+                local(p).copy_(b.view(b.staging, i))
+        else:
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self._h2d):
+                self._h2d.wait_event(b.grads_ready)
+                start.record()
+                for i, p in enumerate(b.params):
+                    local(p).copy_(b.view(b.staging, i), non_blocking=True)
+                done.record()
+            b.upload_event = done
+            self._d2h.wait_event(done)
+            with self._lock:
+                self._transfers.append(("h2d_s", start, done))
+        with self._lock:
+            b.pending_upload = False
+            b.uploaded = b.version
 
     # ----------------------------------------------------------------------------------------
     # Main thread: the next forward waits for its weights
@@ -323,7 +375,8 @@ class OffloadEngine(CpuWorker):
 
     def _gate(self, buckets: list[Bucket]) -> None:
         with self._phase("offload_wait"):
-            self._wait(lambda: all(b.state == FINAL for b in buckets))
+            if not self.delayed:  # delayed: the weights this forward takes were uploaded in the last backward
+                self._wait(lambda: all(b.state == FINAL for b in buckets))
             if self.cuda:
                 for b in buckets:
                     if b.upload_event is not None:

@@ -9,7 +9,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from holotrain.memory.offload.buckets import FINAL
+from holotrain.memory.offload.buckets import FINAL, local
+from holotrain.memory.offload.kernels import chunks
 from holotrain.memory.offload.host import host_empty
 from holotrain.memory.plan import HOST_USABLE, host_available_bytes
 
@@ -37,7 +38,11 @@ def engine_state(engine, buffers: dict | None = None) -> dict:
             model_sd[fqn] = views[0]
             moments[fqn] = {"exp_avg": views[1], "exp_avg_sq": views[2]}
     meta = {"step": torch.tensor(engine.step_count), "speculate": torch.tensor(int(engine.speculate_next))}
-    return {"model": model_sd, "optim": optim_sd, "offload": {"state": moments, **meta}}
+    offload = {"state": moments, **meta}
+    if engine.delayed:
+        # The weights the next step computes on, a step behind the masters: an exact resume needs both.
+        offload["working"] = {fqn: local(p) for b in engine.buckets for p, fqn in zip(b.params, b.fqns)}
+    return {"model": model_sd, "optim": optim_sd, "offload": offload}
 
 
 def load_engine_state(engine, state: dict) -> None:
@@ -51,7 +56,15 @@ def load_engine_state(engine, state: dict) -> None:
     with torch.no_grad():
         for b in engine.buckets:
             b.version += 1
-            engine._upload(b)
+            if "working" in state["offload"]:
+                # Delayed update, saved by a delayed run: the working weights were loaded in place; the masters
+                # are the next backward's upload, as they were when the checkpoint was taken.
+                for lo, hi in chunks(b.numel):
+                    b.staging[lo:hi].copy_(b.master[lo:hi])
+                b.pending_upload = True
+            else:
+                b.pending_upload = False
+                engine._upload(b)
     engine.synchronize()
 
 

@@ -65,7 +65,8 @@ class CpuWorker:
             while True:
                 if self._arrivals and self._arrived(self._arrivals[0]):
                     return "land", self._arrivals.popleft()
-                for b in self.buckets:  # forward order
+                # Forward order; delayed, backward's (the next backward releases the last bucket first).
+                for b in (reversed(self.buckets) if self.delayed else self.buckets):
                     step = b.step
                     if (b.state == LANDED and (step.speculate or step.decision is not None)) or (
                             b.state == SPECULATED and step.decision is not None):
@@ -111,6 +112,9 @@ class CpuWorker:
             self._lock.notify_all()
 
     def _update(self, b: Bucket) -> None:
+        if self.delayed:
+            self._update_delayed(b)
+            return
         step = b.step
         decision = step.decision
         upload = None
@@ -141,14 +145,31 @@ class CpuWorker:
                 b.staging_free = True  # the gradient stayed in the staging buffer until now (rollbacks need it)
             self._lock.notify_all()
 
-    def _adamw(self, b: Bucket, step: Step, scale: float, to_upload: bool) -> UploadBuffer | None:
+    def _update_delayed(self, b: Bucket) -> None:
+        """Delayed update: the step's final update (the norm is known), the new weights written over the gradient
+        in the staging buffer as it goes; the next backward uploads them (engine._upload_staged). A skipped step
+        leaves the working weights as they are."""
+        step = b.step
+        if not step.decision.skip:
+            self._adamw(b, step, step.decision.scale, to_upload=False, out=b.staging)
+        with self._lock:
+            b.state = FINAL
+            b.pending_upload = not step.decision.skip
+            b.staging_free = True
+            self._lock.notify_all()
+
+    def _adamw(self, b: Bucket, step: Step, scale: float, to_upload: bool,
+               out: torch.Tensor | None = None) -> UploadBuffer | None:
         """One AdamW step of the bucket's masters, gradient divided by `scale`. With to_upload (on a GPU), also
-        writes the new weights in the working dtype into an upload buffer as it goes, and returns it."""
+        writes the new weights in the working dtype into an upload buffer as it goes, and returns it; with `out`,
+        into `out` (which may be the gradient's own buffer: each value is read before it is written)."""
         upload = self._upload_buffer() if (to_upload and self.cuda) else None
+        if upload is not None:
+            out = upload.data[:b.numel]
         hyper = self.hyper
         t0 = time.perf_counter()
         source = leave_held(self, b, step)  # a checkpoint reads the current set: write the spare one
-        adamw_flat(b.master, b.exp_avg, b.exp_avg_sq, b.grad, None if upload is None else upload.data[:b.numel],
+        adamw_flat(b.master, b.exp_avg, b.exp_avg_sq, b.grad, out,
                    lr=step.lr, betas=hyper.betas, weight_decay=hyper.weight_decay, eps=hyper.eps, t=step.t,
                    scale=scale, kernels=self._kernels, threads=self.threads, scratch=self._scratch, source=source)
         self._count("adamw_s", time.perf_counter() - t0)

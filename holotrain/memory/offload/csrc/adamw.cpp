@@ -57,7 +57,9 @@ struct Hyper {
   float scale;  // the gradient is divided by it (the clip)
 };
 
-// One AdamW step of p, m, v over n elements; with kStore, also writes the new weights into out.
+// One AdamW step of p, m, v over n elements; with kStore, also writes the new weights into out. out may be g's own
+// buffer (the delayed update writes the weights over the gradient): out[i] is computed from g[i], so each value
+// is read before it is written whatever the compiler reorders across elements (tests check it bit for bit).
 template <typename G, typename O, bool kStore>
 void adamw_loop(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const G* __restrict__ g,
                 O* __restrict__ out, int64_t n, const Hyper& h) {
