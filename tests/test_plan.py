@@ -117,6 +117,12 @@ def test_cost_model_rules():
     clipped = run(**{"memory.offload": True})
     speculated = run(**{"memory.offload": True, "training.grad_clip": 0.0})
     assert clipped.phases["offload"] > speculated.phases["offload"] and clipped.gpu_bytes < base.gpu_bytes
+    # The delayed update hides the CPU step behind the whole next step, clipped or not.
+    delayed = run(**{"memory.offload": True, "memory.offload_delayed_update": True})
+    assert delayed.phases["offload"] < speculated.phases["offload"] and delayed.gpu_bytes == clipped.gpu_bytes
+    from holotrain.memory.offload.cost import exposed_cpu_step
+    assert exposed_cpu_step(7e9, 5e9, 0.3, 0.7, True, 34, delayed=True) == pytest.approx(0.4)
+    assert exposed_cpu_step(7e9, 5e9, 0.5, 1.0, True, 34, delayed=True) == 0.0
     assert recompute_share("full", 24) == pytest.approx(1 / 3)
     assert recompute_share("selective", 24) == pytest.approx(1 / 6)
     full = run(**{"memory.activation_checkpointing": "full"})
@@ -198,6 +204,11 @@ def test_settings_given_on_the_command_line_are_kept_by_the_plan():
     assert kept and {c.settings["training.fp8"] for c in kept} == {"delayed"}
     assert not any(c.settings.get("parallel.tp", 1) > 1 for c in enumerate_candidates(cfg, gpu, ranks=2)
                    if c.settings["training.fp8"] == "delayed")
+    # The delayed update is the job's to set; the plan keeps it to offload and one micro-batch per step.
+    cfg = job_config("offload", ["--memory.offload_delayed_update=true"])
+    cands = enumerate_candidates(cfg, gpu)
+    assert cands and all(c.settings["memory.offload"] and c.accum == 1 for c in cands)
+    assert not enumerate_candidates(cfg, gpu, ranks=2)
 
 
 def test_a_held_setting_no_candidate_has_is_one_error(tmp_path):

@@ -193,7 +193,8 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
         adamw = calib.adamw_params_s or machine.adamw_params_s * ADAMW_IN_TRAINING
         phases["offload"] = exposed_cpu_step(offloaded, adamw,
                                              compute / 3, compute * 2 / 3, t.grad_clip > 0,
-                                             m.n_layers + 2) * (calib.offload_scale or 1.0)
+                                             m.n_layers + 2, cfg.memory.offload_delayed_update
+                                             ) * (calib.offload_scale or 1.0)
     save_s = save_blocking_s((plan.n_params - offloaded) // ranks, bool(offloaded),
                              None if machine.device == "cuda" else machine.host_copy_bytes_s)
     if cfg.checkpoint.every:
