@@ -9,9 +9,11 @@
 #   off16  the 1.4b at B=16 with memory.offload=true held, so the plan chooses the ratio: the planned setting, and
 #          the same setting with offload switched off (the command line wins over the plan), STEPS steps each (the
 #          target: >= 0.90x of no offload)
+#   bd     the 7B under hw.gpu_memory_gb=24 with memory.offload_delayed_update=true: planned, then the planned
+#          setting trained STEPS steps with and without the delayed update (the target: >= 40% MFU)
 # Usage (repo root, on the GPU machine): bash bench/gpu_plan_cases.sh OUT_DIR PART [WHERE] [STEPS]
 set -uo pipefail
-out=${1:?output directory}; part=${2:?a, b, c or off16}; where=${3:-}; steps=${4:-40}
+out=${1:?output directory}; part=${2:?a, b, c, off16 or bd}; where=${3:-}; steps=${4:-40}
 export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
 filters=(--where training.compile=true)
 for w in ${where//,/ }; do filters+=(--where "$w"); done
@@ -43,5 +45,34 @@ print(f"tokens/s over steps 11+: planned (offload held) {rates['off16-planned']:
       f"{rates['off16-nooffload']:,.0f}: {rates['off16-planned'] / rates['off16-nooffload']:.3f}x")
 PY
     ;;
-  *) echo "unknown part $part (a, b, c or off16)"; exit 2 ;;
+  bd)
+    job=(--config offload --hw.gpu_memory_gb=24)
+    s=$SECONDS
+    python3 -m holotrain.cli plan "${job[@]}" --memory.offload_delayed_update=true --out "$out/bd-plan" \
+      "${quiet[@]}" > "$out/bd-plan.log" 2>&1
+    echo "== plan: rc $? in $(( SECONDS - s )) s"; grep -v -i warn "$out/bd-plan.log" | tail -4
+    for run in delayed ordinary; do
+      on=true; [ $run = ordinary ] && on=false
+      python3 -m holotrain.cli train "${job[@]}" --plan "$out/bd-plan/plan.toml" --memory.offload_delayed_update=$on \
+        "${quiet[@]}" --training.steps="$steps" --checkpoint.save_final=false --job.run_dir=/tmp/bd-$run \
+        > "$out/bd-$run.log" 2>&1
+      echo "== $run: rc $?"; cp /tmp/bd-$run/metrics.jsonl "$out/bd-$run.jsonl"; rm -rf /tmp/bd-$run
+    done
+    python3 - "$out" <<'PY'
+import sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+from checkpoint_summary import rows, training_rate
+out = Path(sys.argv[1])
+for name in ("bd-delayed", "bd-ordinary"):
+    r = rows(out, name)
+    if r:
+        last = r[-1]
+        print(f"{name}: {training_rate(r, 10):,.0f} tokens/s over steps 11+; MFU (last row) {last.get('mfu')}; "
+              f"offload wait {last.get('time.offload_wait')}; release wait {last.get('offload.release_wait_s')}; "
+              f"CPU step {last.get('offload.cpu_step_s')}; peak {max(x.get('mem.peak_gb') or 0 for x in r):.1f} GB; "
+              f"loss at {last['step']}: {last['loss']:.4f}")
+PY
+    ;;
+  *) echo "unknown part $part (a, b, c, off16 or bd)"; exit 2 ;;
 esac
