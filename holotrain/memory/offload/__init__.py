@@ -44,6 +44,16 @@ any update, would leave the CPU idle for all of backward on every step. A rollba
 within fp32 rounding; for bit-exact reproducibility every bucket of a mispredicted step takes the same path
 (update, roll back, redo) whether or not it had been updated when the norm arrived.
 
+Delayed parameter update (`memory.offload_delayed_update`; one process, one landing per step): step t's forward
+and backward run on the weights from update t-2, so update t-1 overlaps the whole of step t instead of its
+forward. No speculation: the norm is known before each update. The worker updates in backward's order (last bucket
+first) and writes the new weights in the working dtype over the gradient in the staging buffer; when step t's
+backward is done with a bucket (its gradient hook), the engine first uploads those weights (H2D), then copies the
+new gradient into the same buffer (D2H, after the upload has read it), waiting on the host if the CPU has not
+finished that bucket (`offload.release_wait_s`). The forward gates only order the compute stream after the upload.
+Checkpoints save the working weights beside the masters, and a resume puts the masters back in the staging buffer
+as the next upload; no HeldState (the working weights would change under the writer).
+
 Partial offload (`memory.offload_ratio`): the last units in forward order run on the CPU, the rest (and all
 norm weights) are ordinary fp32 parameters with holotrain.optim's fused AdamW on the device, clipped with the
 same norm.

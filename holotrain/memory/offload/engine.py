@@ -236,7 +236,7 @@ class OffloadEngine(CpuWorker):
     def prepare_hold(self) -> str | None:
         """A spare set of masters and moments (state.HeldState); why not, if the host has no room."""
         if self.delayed:
-            return ("with memory.offload_delayed_update the GPU's weights are a step behind the masters and are "
+            return ("with memory.offload_delayed_update the working weights are a step behind the masters and are "
                     "saved with them")
         return allocate_spares(self)
 
