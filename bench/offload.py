@@ -71,6 +71,8 @@ SHAPES = {
 # ---------------------------------------------------------------------------------------------
 # One trial (in its own process)
 
+OFFLOADS = ("offload", "offload-delayed")  # variants that run the offload engine (the second with the delayed update)
+
 
 def _config(spec: dict):
     from holotrain.config import load_config, resolve
@@ -82,7 +84,9 @@ def _config(spec: dict):
         f"--training.batch_size={spec['batch']}", f"--training.micro_batch_size={spec['micro']}",
         f"--training.compile={str(spec['compile']).lower()}", f"--training.grad_clip={spec.get('clip', 1.0)}",
         "--training.lr=3e-4",
-        f"--memory.activation_checkpointing={spec['ac']}", f"--memory.offload={str(spec['variant'] == 'offload').lower()}",
+        f"--memory.activation_checkpointing={spec['ac']}",
+        f"--memory.offload={str(spec['variant'] in OFFLOADS).lower()}",
+        f"--memory.offload_delayed_update={str(spec['variant'] == 'offload-delayed').lower()}",
         f"--memory.offload_ratio={spec.get('ratio', 1.0)}", "--memory.check_fit=false",
         *([f"--memory.offload_gil_switch_ms={spec['gil_ms']}"] if spec.get("gil_ms") is not None else []),
         *([f"--memory.offload_threads={spec['offload_threads']}"] if spec.get("offload_threads") else []),
@@ -268,7 +272,7 @@ def run_trial(spec: dict) -> dict:
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
         model = build_model(cfg, env, dtype)
         opt = build_optimizer(model, cfg.memory, AdamWHyper.from_section(cfg.training), cfg.training.lr, env, dtype)
-        engine = opt if spec["variant"] == "offload" else None
+        engine = opt if spec["variant"] in OFFLOADS else None
         train_step = TrainStep(model, opt, cfg, env, dtype, clock)
 
         def one_step(fetch):
@@ -423,7 +427,8 @@ def main():
     p.add_argument("--cpu-threads", default="", help="(cpu): thread counts to sweep (default: 1, 2, 4, 8, ... up to "
                                                       "the engine's default)")
     p.add_argument("--cpu-reps", type=int, default=3, help="(cpu): timed repetitions (the best counts)")
-    p.add_argument("--variants", default="plain,offload,fsdp2-cpu", help="(a)")
+    p.add_argument("--variants", default="plain,offload,fsdp2-cpu",
+                   help="(a); also offload-delayed (memory.offload_delayed_update)")
     p.add_argument("--offload-threads", default="",
                    help="(b): memory.offload_threads values to try, comma list (default: the config's)")
     p.add_argument("--gil-switch-ms", default="",
@@ -473,10 +478,10 @@ def main():
         for batch in [int(b) for b in args.batch.split(",")]:
             micro = args.micro or batch
             for variant in args.variants.split(","):
-                ratios = [float(r) for r in args.ratios.split(",")] if variant == "offload" else [None]
+                ratios = [float(r) for r in args.ratios.split(",")] if variant in OFFLOADS else [None]
                 for ratio in ratios:
-                    for clip in (clips if variant == "offload" else clips[:1]):
-                        for gil in (gils if variant == "offload" else [None]):
+                    for clip in (clips if variant in OFFLOADS else clips[:1]):
+                        for gil in (gils if variant in OFFLOADS else [None]):
                             spec = {**common, "part": "a", "variant": variant, "shape": args.shape, "batch": batch,
                                     "micro": micro, "ac": "none", "clip": clip, "gil_ms": gil,
                                     **({"ratio": ratio} if ratio is not None else {})}
