@@ -435,7 +435,7 @@ def test_delayed_update_resumes_exactly_and_from_an_ordinary_checkpoint(tmp_path
 
 def test_delayed_update_needs_offload_and_one_micro_batch(tmp_path):
     proc = run_cli_here("train", *tiny_args(tmp_path / "a", **{"memory.offload_delayed_update": True}))
-    assert proc.returncode == 2 and "memory.offload_delayed_update = true needs memory.offload" in proc.stderr
+    assert proc.returncode == 2 and "memory.offload_delayed_update needs memory.offload = true" in proc.stderr
     proc = run_cli_here("train", *tiny_args(tmp_path / "b", **{"memory.offload_delayed_update": True,
                                                             "memory.offload": True, "training.micro_batch_size": 2}))
     assert proc.returncode == 2 and "training.micro_batch_size" in proc.stderr and "Traceback" not in proc.stderr
