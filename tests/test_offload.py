@@ -408,14 +408,14 @@ def test_delayed_update_writes_the_weights_over_the_gradient_bit_for_bit():
             assert torch.equal(a, b)
 
 
-DELAYED = {"training.steps": 12, "checkpoint.every": 2, "memory.offload": True,
+DELAYED = {"training.steps": 8, "checkpoint.every": 2, "memory.offload": True,
            "memory.offload_delayed_update": True}
 
 
 def test_delayed_update_resumes_exactly_and_from_an_ordinary_checkpoint(tmp_path):
     """A delayed run's checkpoint keeps the working weights (a step behind the masters): killed and resumed from
     disk, or from an in-memory snapshot, it trains the uninterrupted curve. An ordinary offload run's checkpoint
-    (no working weights: they were the masters) resumes under the delayed update, and back."""
+    (no working weights: they were the masters) resumes under the delayed update."""
     full = tmp_path / "full"
     run_cli("train", *tiny_args(full, **DELAYED))
     assert any(r["grad_norm"] > 1.0 for r in read_metrics(full))  # clipping is active
@@ -427,10 +427,8 @@ def test_delayed_update_resumes_exactly_and_from_an_ordinary_checkpoint(tmp_path
         assert curve(tmp_path / name) == curve(full), (name, killed_at)
     mixed = tmp_path / "mixed"
     run_cli("train", *tiny_args(mixed, **{**DELAYED, "training.steps": 4, "memory.offload_delayed_update": False}))
-    for steps, on in ((8, True), (10, False)):
-        proc = run_cli("train", *tiny_args(mixed, **{**DELAYED, "training.steps": steps,
-                                                     "memory.offload_delayed_update": on}))
-        assert "resuming from" in proc.stdout and read_metrics(mixed)[-1]["step"] == steps
+    proc = run_cli("train", *tiny_args(mixed, **DELAYED))
+    assert "resuming from" in proc.stdout and read_metrics(mixed)[-1]["step"] == 8
 
 
 def test_delayed_update_needs_offload_and_one_micro_batch(tmp_path):
