@@ -176,7 +176,8 @@ class MemoryConfig(_Section):
     # the GIL back a dozen times per bucket (between its native update and the copies it queues); with the training
     # thread running Python all through the step, each of those waits up to one interval, native threads idle.
     offload_gil_switch_ms: float = 0.25
-    # ZeRO-Offload's delayed parameter update (memory/offload/__init__.py; changes the optimization: never planned)
+    # ZeRO-Offload's delayed parameter update (memory/offload/__init__.py; changes the optimization: never planned).
+    # On one process it takes one micro-batch per step (the working weights change when a bucket's gradient lands).
     offload_delayed_update: bool = False
     check_fit: bool = True  # refuse, before training starts, a plan that cannot fit GPU or host memory
     # The head and the loss fused, in pieces of this many tokens (model/head.py: one piece's fp32 logits alive).
@@ -579,9 +580,6 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(mem.offload_gil_switch_ms >= 0, f"memory.offload_gil_switch_ms must be >= 0 (0 = Python's own), got "
          f"{mem.offload_gil_switch_ms}")
     need(mem.offload or not mem.offload_delayed_update, "memory.offload_delayed_update needs memory.offload = true")
-    need(not mem.offload_delayed_update or cfg.training.micro_batch_size in (0, cfg.training.batch_size), "memory."
-         f"offload_delayed_update = true takes one micro-batch per step: training.micro_batch_size must be 0 or "
-         f"training.batch_size ({cfg.training.batch_size}), not {cfg.training.micro_batch_size}")
     need(mem.loss_chunk_tokens >= 0, f"memory.loss_chunk_tokens must be >= 0 (0 = auto), got {mem.loss_chunk_tokens}")
     # The offload engine assumes FSDP2's sharding (disjoint shards, one gradient per step); tensor parallelism
     # replicates some parameters across ranks, which its norm would count twice.

@@ -431,6 +431,25 @@ def test_delayed_update_resumes_exactly_and_from_an_ordinary_checkpoint(tmp_path
     assert "resuming from" in proc.stdout and read_metrics(mixed)[-1]["step"] == 8
 
 
+@pytest.mark.slow
+def test_delayed_update_on_two_sharded_processes_follows_one_process(tmp_path):
+    """FSDP2 (gloo, 2 ranks): each rank's engine updates its shards one step stale, as one process does; the working
+    shards are checkpointed as DTensors under their global shapes, and the run resumes from them."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_cli("train", *tiny_args(one, **DELAYED))
+    # Killed while saving step 6 (after its data is written, before it is complete): resumed from step 4.
+    torchrun(2, "train", *tiny_args(two, **DELAYED), env={"HOLOTRAIN_KILL_DURING_SAVE": "6"}, ok=False)
+    out = torchrun(2, "train", *tiny_args(two, **DELAYED))
+    assert "resuming from" in out
+    a, b = read_metrics(one), read_metrics(two)
+    assert [r["step"] for r in b] == list(range(1, 9))
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], abs=2e-4), (ra, rb)
+    working = SafeFileSystemReader(latest_checkpoint(two)).read_metadata().state_dict_metadata
+    wq = working["offload.working.layers.0.attention.wq.weight"]
+    assert list(wq.size) == [64, 64] and sorted(c.sizes[0] for c in wq.chunks) == [32, 32]
+
+
 def test_delayed_update_needs_offload_and_one_micro_batch(tmp_path):
     proc = run_cli_here("train", *tiny_args(tmp_path / "a", **{"memory.offload_delayed_update": True}))
     assert proc.returncode == 2 and "memory.offload_delayed_update needs memory.offload = true" in proc.stderr

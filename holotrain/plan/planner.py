@@ -142,8 +142,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
     t = cfg.training
     gpu = machine.device == "cuda"
     offloads = [(False, 1.0)] + ([(True, r) for r in (0.25, 0.5, 0.75, 1.0)] if gpu else [])
-    # The delayed update changes the optimization, so only a job that sets it plans it; it implies offload, one
-    # process and one micro-batch per step.
+    # The delayed update changes the optimization, so only a job that sets it plans it; it implies offload, and on
+    # one process one micro-batch per step.
     delayed = cfg.memory.offload_delayed_update
     if delayed:
         offloads = [(True, r) for r in (0.25, 0.5, 0.75, 1.0)]
@@ -162,13 +162,13 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
         if tp > 1 and (offload or fp8 == "delayed" or (fp8 != "none" and overlap != "none")):
             continue  # combinations the trainer refuses (config.validate)
         dp = ranks // tp
-        if t.batch_size % dp or (delayed and dp > 1):
+        if t.batch_size % dp:
             continue
         per_rank = t.batch_size // dp
         for micro in (m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= per_rank and per_rank % m == 0):
             if chunk and micro * cfg.data.seq_len <= chunk:
                 continue  # a micro-batch of one piece: the same step as the unchunked loss
-            if delayed and micro != per_rank:
+            if delayed and dp == 1 and micro != per_rank:
                 continue
             settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
                         "memory.activation_checkpointing_blocks": blocks, "memory.offload": offload,

@@ -44,7 +44,8 @@ any update, would leave the CPU idle for all of backward on every step. A rollba
 within fp32 rounding; for bit-exact reproducibility every bucket of a mispredicted step takes the same path
 (update, roll back, redo) whether or not it had been updated when the norm arrived.
 
-Delayed parameter update (`memory.offload_delayed_update`; one process, one landing per step): step t's forward
+Delayed parameter update (`memory.offload_delayed_update`; one landing per step: one micro-batch on one process,
+any number with FSDP2, which reduce-scatters once): step t's forward
 and backward run on the weights from update t-2, so update t-1 overlaps the whole of step t instead of its
 forward. No speculation: the norm is known before each update. The worker updates in backward's order (last bucket
 first) and writes the new weights in the working dtype over the gradient in the staging buffer; when step t's

@@ -58,9 +58,6 @@ class OffloadEngine(CpuWorker):
         self.threads = section.offload_threads or max(1, usable_cores() // max(1, env.local_world_size) - 1)
         # The delayed parameter update (memory.offload_delayed_update; see the package's docstring).
         self.delayed = section.offload_delayed_update
-        if self.delayed and self.sharded:
-            raise ConfigError("memory.offload_delayed_update = true runs on one process, not on "
-                              f"{env.world_size} ranks yet")
 
         units = model_units(model)
         cpu_units = offloaded_units(units, section.offload_ratio)
@@ -130,8 +127,8 @@ class OffloadEngine(CpuWorker):
         self._raise_if_failed()
         landings = 1 if self.sharded else accum  # FSDP2 reduce-scatters (and calls the hooks) once per step
         if self.delayed and landings > 1:
-            raise ConfigError(f"memory.offload_delayed_update = true takes one micro-batch per step, not {accum} "
-                              "(training.micro_batch_size = training.batch_size)")
+            raise ConfigError(f"memory.offload_delayed_update = true takes one micro-batch per step on one process, "
+                              f"not {accum} (training.micro_batch_size = training.batch_size)")
         if landings > 1:
             for b in self.buckets:
                 if b.acc is None:

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from holotrain.memory.offload.buckets import FINAL, local
+from holotrain.memory.offload.buckets import FINAL
 from holotrain.memory.offload.kernels import chunks
 from holotrain.memory.offload.host import host_empty
 from holotrain.memory.plan import HOST_USABLE, host_available_bytes
@@ -41,7 +41,7 @@ def engine_state(engine, buffers: dict | None = None) -> dict:
     offload = {"state": moments, **meta}
     if engine.delayed:
         # The weights the next step computes on, a step behind the masters: an exact resume needs both.
-        offload["working"] = {fqn: local(p) for b in engine.buckets for p, fqn in zip(b.params, b.fqns)}
+        offload["working"] = {fqn: p.detach() for b in engine.buckets for p, fqn in zip(b.params, b.fqns)}
     return {"model": model_sd, "optim": optim_sd, "offload": offload}
 
 
