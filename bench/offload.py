@@ -435,6 +435,7 @@ def main():
                    help="(a)/(b): memory.offload_gil_switch_ms values to try, comma list (default: the config's)")
     p.add_argument("--sizes", default="", help="(b)/(c): shapes, smallest first (default 3b,7b,8b,10b / 13b,14b,16b)")
     p.add_argument("--gpu-gib", type=float, default=24.0, help="(b): GPU cap")
+    p.add_argument("--delayed", action="store_true", help="(b)/(c): with memory.offload_delayed_update")
     p.add_argument("--ac", default="full", help="(b)/(c): activation checkpointing policy")
     p.add_argument("--big-batch", type=int, default=16, help="(b): sequences per step")
     p.add_argument("--c-batch", type=int, default=4, help="(c): sequences per step")
@@ -473,6 +474,7 @@ def main():
     common_b = {**common, "clip": clips[0]}
     gils = [float(g) for g in args.gil_switch_ms.split(",")] if args.gil_switch_ms else [None]
     thread_counts = [int(t) for t in args.offload_threads.split(",")] if args.offload_threads else [None]
+    offload_variant = "offload-delayed" if args.delayed else "offload"
 
     if args.part == "a":
         for batch in [int(b) for b in args.batch.split(",")]:
@@ -494,12 +496,14 @@ def main():
             trained = False
             layouts = ([(args.big_batch, args.micro)] if args.micro else
                        plan_micro(shape, args, 1.0, gpu_bytes, args.ac, args.big_batch))
+            if args.delayed:  # one micro-batch per step on one process
+                layouts = [(batch, micro) for batch, micro in layouts if batch == micro]
             if not layouts:
                 print(f"(b): the memory plan fits no micro-batch of {shape} under {args.gpu_gib:g} GiB; stopping", flush=True)
                 break
             for batch, micro in layouts:
                 for gil, threads in [(g, t) for g in gils for t in thread_counts]:
-                    spec = {**common_b, "part": "b", "variant": "offload", "shape": shape, "batch": batch,
+                    spec = {**common_b, "part": "b", "variant": offload_variant, "shape": shape, "batch": batch,
                             "micro": micro, "ratio": 1.0, "ac": args.ac, "gpu_gib": args.gpu_gib, "gil_ms": gil,
                             "offload_threads": threads}
                     row = spawn(spec, args.timeout)
@@ -530,7 +534,7 @@ def main():
             tried, trained = set(), False
             while r not in tried and 0 <= r <= 1 and len(tried) < 4:
                 tried.add(r)
-                spec = {**common_b, "part": "c", "variant": "offload", "shape": shape, "batch": batch, "micro": micro,
+                spec = {**common_b, "part": "c", "variant": offload_variant, "shape": shape, "batch": batch, "micro": micro,
                         "ratio": r, "ac": args.ac}
                 row = spawn(spec, args.timeout)
                 record(row, out, meta)
