@@ -373,8 +373,8 @@ def record(row: dict, out: Path, meta: dict) -> None:
     brief = {k: row.get(k) for k in ("part", "variant", "shape", "batch", "micro", "ratio", "ac", "clip", "clipped",
                                      "grad_norm_mean", "tokens_per_s", "mfu", "step_s", "peak_gpu_gb", "time.offload_wait",
                                      "offload.cpu_step_s", "offload.adamw_s", "offload.land_s", "offload.copy_wait_s",
-                                     "offload.speculated", "offload.release_wait_s", "threads", "kernel", "host_busy_cores", "nivcsw_per_step",
-                                     "cgroup_throttled_s_per_step",
+                                     "offload.speculated", "offload.release_wait_s", "threads", "kernel",
+                                     "host_busy_cores", "nivcsw_per_step", "cgroup_throttled_s_per_step",
                                      "case", "gparams_per_s", "error")
              if row.get(k) is not None}
     print(json.dumps(brief), flush=True)
