@@ -24,6 +24,16 @@ def training_rate(r: list[dict], first_step: int) -> float:
     return tokens / seconds if seconds else float("nan")
 
 
+def run_line(name: str, r: list[dict], first_step: int, *keys: str) -> str:
+    """One training run's summary line for the bench scripts: tokens/s after `first_step`, the last row's MFU and
+    loss, the peak memory, and the last row's `keys`."""
+    last = r[-1]
+    extra = "".join(f"; {k} {last.get(k)}" for k in keys)
+    return (f"{name}: {training_rate(r, first_step):,.0f} tokens/s over steps {first_step + 1}+; MFU (last row) "
+            f"{last.get('mfu')}; peak memory {max(x.get('mem.peak_gb') or 0 for x in r):.1f} GB; loss at "
+            f"{last['step']}: {last['loss']:.4f}{extra}")
+
+
 def saves(r: list[dict]) -> list[tuple[int, float]]:
     """(step of the logged row, blocking seconds) for each row whose interval held a save (a save at step N,
     made after N's row, falls in the next one)."""

@@ -16,14 +16,12 @@ for part in ${parts//,/ }; do
   cp /tmp/fp8-7b-$part/metrics.jsonl "$out/7b-$part.jsonl" 2>/dev/null; rm -rf /tmp/fp8-7b-$part
 done
 python3 - "$out" <<'PY'
-import json, sys
+import sys
 from pathlib import Path
 sys.path.insert(0, "bench")
-from checkpoint_summary import rows, training_rate
+from checkpoint_summary import rows, run_line
 out = Path(sys.argv[1])
 for name in ("7b-bf16", "7b-fp8"):
-    r = rows(out, name)
-    if r:
-        print(f"{name}: tokens/s over steps 11+ {training_rate(r, 10):,.0f}; mfu (last row) {r[-1].get('mfu')}; "
-              f"peak memory {max(x.get('mem.peak_gb') or 0 for x in r):.1f} GB; loss {[round(x['loss'], 3) for x in r]}")
+    if r := rows(out, name):
+        print(run_line(name, r, 10) + f"; losses {[round(x['loss'], 3) for x in r]}")
 PY

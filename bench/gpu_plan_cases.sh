@@ -62,16 +62,11 @@ PY
 import sys
 from pathlib import Path
 sys.path.insert(0, "bench")
-from checkpoint_summary import rows, training_rate
+from checkpoint_summary import rows, run_line
 out = Path(sys.argv[1])
 for name in ("bd-delayed", "bd-ordinary"):
-    r = rows(out, name)
-    if r:
-        last = r[-1]
-        print(f"{name}: {training_rate(r, 10):,.0f} tokens/s over steps 11+; MFU (last row) {last.get('mfu')}; "
-              f"offload wait {last.get('time.offload_wait')}; release wait {last.get('offload.release_wait_s')}; "
-              f"CPU step {last.get('offload.cpu_step_s')}; peak {max(x.get('mem.peak_gb') or 0 for x in r):.1f} GB; "
-              f"loss at {last['step']}: {last['loss']:.4f}")
+    if r := rows(out, name):
+        print(run_line(name, r, 10, "time.offload_wait", "offload.release_wait_s", "offload.cpu_step_s"))
 PY
     ;;
   *) echo "unknown part $part (a, b, c, off16 or bd)"; exit 2 ;;

@@ -324,22 +324,10 @@ class OffloadEngine(CpuWorker):
     def _upload_staged(self, b: Bucket) -> None:
         """Delayed update: the new weights the bucket's last update wrote over its gradient in the staging buffer
         become its working weights, now that this backward is done with the old ones, before the buffer takes the
-        new gradient (on a GPU: the H2D copy waits for backward's event, the D2H copy waits for it)."""
-        if not self.cuda:
-            for i, p in enumerate(b.params):
-                local(p).copy_(b.view(b.staging, i))
-        else:
-            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self._h2d):
-                self._h2d.wait_event(b.grads_ready)
-                start.record()
-                for i, p in enumerate(b.params):
-                    local(p).copy_(b.view(b.staging, i), non_blocking=True)
-                done.record()
-            b.upload_event = done
+        new gradient (on a GPU, the D2H copy waits for the upload)."""
+        done = self._to_working(b, b.staging)
+        if done is not None:
             self._d2h.wait_event(done)
-            with self._lock:
-                self._transfers.append(("h2d_s", start, done))
         with self._lock:
             b.pending_upload = False
             b.uploaded = b.version

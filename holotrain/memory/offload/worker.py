@@ -205,26 +205,35 @@ class CpuWorker:
     def _upload(self, b: Bucket, upload: UploadBuffer | None = None) -> None:
         """Masters -> working weights (through a pinned upload buffer and the H2D stream on a GPU)."""
         if not self.cuda:
+            self._to_working(b, b.master)
+        else:
+            if upload is None:
+                upload = self._upload_buffer()
+                for lo, hi in chunks(b.numel):
+                    upload.data[lo:hi].copy_(b.master[lo:hi])
+            upload.in_use = self._to_working(b, upload.data)
+        b.uploaded = b.version
+
+    def _to_working(self, b: Bucket, flat: torch.Tensor):
+        """The bucket's working weights = flat (host; pinned, in the working dtype, on a GPU). On a GPU the copy runs
+        on the H2D stream once backward has finished reading the old weights; returns its end event (None on the
+        CPU, where the copy is done)."""
+        if not self.cuda:
             for i, p in enumerate(b.params):
-                local(p).copy_(b.view(b.master, i))
-            b.uploaded = b.version
-            return
-        if upload is None:
-            upload = self._upload_buffer()
-            for lo, hi in chunks(b.numel):
-                upload.data[lo:hi].copy_(b.master[lo:hi])
+                local(p).copy_(b.view(flat, i))
+            return None
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._h2d):
             if b.grads_ready is not None:
-                self._h2d.wait_event(b.grads_ready)  # backward has finished reading the old weights
+                self._h2d.wait_event(b.grads_ready)
             start.record()
             for i, p in enumerate(b.params):
-                local(p).copy_(b.view(upload.data, i), non_blocking=True)
+                local(p).copy_(b.view(flat, i), non_blocking=True)
             done.record()
-        upload.in_use = b.upload_event = done
-        b.uploaded = b.version
+        b.upload_event = done
         with self._lock:
             self._transfers.append(("h2d_s", start, done))
+        return done
 
     def _upload_buffer(self) -> UploadBuffer:
         """The next of two pinned upload buffers, once the copy that last read it has finished."""
