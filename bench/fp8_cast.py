@@ -96,6 +96,9 @@ def main() -> None:
             assert torch.equal(fn(x8).float(), x8.t().float())
             s = cuda_event_median(lambda fn=fn: fn(x8), a.reps, warmup=3)
             print(f"{width:>6} {name:>8} {s * 1e6:8.1f} {x8.numel() * 2 / s / 1e9:7.0f}")
+        from holotrain.precision.transpose_kernel import _transpose_any
+
+        print(f"{width:>6} t-tiled chose {_transpose_any.best_config}")
 
 
 if __name__ == "__main__":
