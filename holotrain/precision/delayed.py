@@ -70,7 +70,10 @@ class _DelayedFp8Matmuls(torch.autograd.Function):
     """x [M, K] @ w^T for each weight w [N, K] of linears that read the same x, with FP8 operands, and FP8 GEMMs for
     all gradients. x is cast once for all of them, by the first linear's input scale; each weight and each output's
     gradient has its own scale. torch._scaled_mm takes its first operand row-major and its second column-major, so
-    forward also casts the transposed layouts backward needs. `states`: each linear's buffers named in STATE."""
+    forward also casts the transposed layouts backward needs. `states`: each linear's buffers named in STATE.
+    Forward's GEMM and the input gradient's accumulate in the tensor cores' faster, less precise mode (their sums
+    run over the model's widths); the weight gradient's sums run over every token of the micro-batch and keep the
+    precise mode."""
 
     @staticmethod
     def forward(ctx, x, out_dtype, first, *weights_and_states):
@@ -93,7 +96,7 @@ class _DelayedFp8Matmuls(torch.autograd.Function):
         grad_x, grad_ws = None, []
         for g, state, w8t, iw in zip(gs, ctx.states, saved[0::2], saved[1::2]):
             g8, ig = cast(g, G, *state, ctx.first)
-            part = torch._scaled_mm(g8, w8t.t(), scale_a=ig, scale_b=iw, out_dtype=ctx.x_dtype)
+            part = torch._scaled_mm(g8, w8t.t(), scale_a=ig, scale_b=iw, out_dtype=ctx.x_dtype, use_fast_accum=True)
             grad_x = part if grad_x is None else grad_x + part
             grad_ws.append(torch._scaled_mm(fp8_transpose(g8), x8t.t(), scale_a=ig, scale_b=ix,
                                             out_dtype=ctx.w_dtype))
