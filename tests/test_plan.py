@@ -94,8 +94,8 @@ def test_nothing_fits_names_the_smallest_memory_it_would_need(tmp_path):
 
 
 def test_cost_model_rules():
-    """Young/Daly; FP8 keeps fewer activations; a clipped offloaded step exposes more of the CPU step than one that
-    speculates; activation checkpointing costs a recomputed forward."""
+    """Young/Daly and a save's blocking time; FP8 keeps fewer activations; a clipped offloaded step exposes more of
+    the CPU step than one that speculates; activation checkpointing costs a recomputed forward."""
     from holotrain.model import Llama
     from holotrain.memory.activation_checkpointing import recompute_share
     from holotrain.plan.cost import Calibration, Machine, predict, with_settings, young_daly_steps
@@ -120,6 +120,11 @@ def test_cost_model_rules():
     # The delayed update hides the CPU step behind the whole next step, clipped or not.
     delayed = run(**{"memory.offload": True, "memory.offload_delayed_update": True})
     assert delayed.phases["offload"] < speculated.phases["offload"] and delayed.gpu_bytes == clipped.gpu_bytes
+    # A save: the held offload state costs the loop nothing; the delayed update's is never held, so the whole state
+    # is written to disk while training waits (16 bytes a parameter at the disk's rate).
+    from holotrain.train.checkpointer import DISK_BYTES_S, HELD_SAVE_S
+    assert HELD_SAVE_S <= clipped.save_s < HELD_SAVE_S + 0.1
+    assert delayed.save_s == pytest.approx(sum(p.numel() for p in model.parameters()) * 16 / DISK_BYTES_S, rel=0.01)
     from holotrain.memory.offload.cost import exposed_cpu_step
     assert exposed_cpu_step(7e9, 5e9, 0.3, 0.7, True, 34, delayed=True) == pytest.approx(0.4)
     assert exposed_cpu_step(7e9, 5e9, 0.5, 1.0, True, 34, delayed=True) == 0.0

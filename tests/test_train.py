@@ -314,3 +314,22 @@ def test_no_thread_of_ours_outlives_training(tmp_path):
                                                                  "memory.offload": True}))
     assert "threads still running" not in proc.stderr, proc.stderr
     assert "terminate called" not in proc.stderr
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_it_is_written(tmp_path, monkeypatch):
+    """The disk's free space is checked against the state's bytes first: a checkpoint that cannot fit is one clear
+    error naming the directory and the keys, and the checkpoints already written stay as they were."""
+    from collections import namedtuple
+
+    from holotrain.errors import ConfigError
+    from holotrain.train import checkpoint
+
+    state = {"model": {"w": torch.ones(1000)}, "optim": {"step": torch.tensor(3.0)}}
+    checkpoint.write_checkpoint(tmp_path, 2, state, {"step": 2}, keep=2)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4000, 4000))
+    with pytest.raises(ConfigError, match=r"has 0\.0 GB free.*needs 0\.0 GB.*job\.run_dir.*checkpoint\.every = 0"):
+        checkpoint.write_checkpoint(tmp_path, 4, state, {"step": 4}, keep=2)
+    assert latest_checkpoint(tmp_path).name == "step-2" and not list((tmp_path / "checkpoints").glob(".tmp-*/*"))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4100, 4100))
+    assert checkpoint.write_checkpoint(tmp_path, 4, state, {"step": 4}, keep=2).name == "step-4"

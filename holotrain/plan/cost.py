@@ -195,8 +195,12 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
                                              compute / 3, compute * 2 / 3, t.grad_clip > 0,
                                              m.n_layers + 2, cfg.memory.offload_delayed_update
                                              ) * (calib.offload_scale or 1.0)
-    save_s = save_blocking_s((plan.n_params - offloaded) // ranks, bool(offloaded),
-                             None if machine.device == "cuda" else machine.host_copy_bytes_s)
+    # The engine holds its state for a save where the host has room for a second set of masters and moments
+    # (memory/offload/state.py: allocate_spares); a delayed update's never is.
+    delayed = cfg.memory.offload_delayed_update
+    held = not delayed and plan.host_need + 12 * offloaded / ranks <= plan.host_capacity
+    save_s = save_blocking_s((plan.n_params - offloaded) // ranks, offloaded // ranks, held,
+                             None if machine.device == "cuda" else machine.host_copy_bytes_s, 16 if delayed else 14)
     if cfg.checkpoint.every:
         phases["checkpoint"] = save_s / cfg.checkpoint.every
     if calib.loader_tokens_s:

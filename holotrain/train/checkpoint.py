@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from holotrain.errors import ConfigError
+
 _STEP_DIR = re.compile(r"step-(\d+)")
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"  # every file's size, to tell a complete checkpoint from a truncated one
@@ -164,6 +166,7 @@ def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict,
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
     _barrier(group)
+    _refuse_if_no_room(root, state, group)
     with _quiet_single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=threads), process_group=group)
     fault_point(step)
@@ -184,6 +187,29 @@ def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict,
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(group)
     return final
+
+
+def _refuse_if_no_room(root: Path, state: dict, group: dist.ProcessGroup | None) -> None:
+    """Collective. Stops before writing a checkpoint its disk cannot hold (the ranks of a node share it), so that a
+    full disk, or a RAM-backed one filling the host's memory, never takes the run down halfway through a write."""
+    def tensors(tree):
+        for value in tree.values():
+            if isinstance(value, dict):
+                yield from tensors(value)
+            elif isinstance(value, torch.Tensor):
+                yield value.to_local() if hasattr(value, "to_local") else value
+
+    need = sum(t.numel() * t.element_size() for t in tensors(state)) * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    free = shutil.disk_usage(root).free
+    short = torch.tensor([int(need > free)])
+    if _is_dist():
+        if dist.get_backend(group) == "nccl":
+            short = short.cuda()
+        dist.all_reduce(short, op=dist.ReduceOp.MAX, group=group)
+    if short.item():
+        raise ConfigError(f"checkpoint: {root} has {free / 1e9:.1f} GB free; a checkpoint of this run needs "
+                          f"{need / 1e9:.1f} GB (on some rank, if this one has room): point job.run_dir at a larger "
+                          "disk, or set checkpoint.every = 0 and checkpoint.save_final = false")
 
 
 def save_checkpoint(run_dir: Path, step: int, optimizer, trainer_state: dict, keep: int,

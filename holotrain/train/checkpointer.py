@@ -48,16 +48,22 @@ if TYPE_CHECKING:
 
 # What a save blocks for, as the planner predicts it: the device-resident state (fp32 weights and moments, 12
 # bytes per parameter) copied at the device-to-host rate (pinned, measured on an H200), or at the host's copy
-# rate on a CPU; host-resident offload state is held, not copied (bench/RESULTS.md).
+# rate on a CPU; host-resident offload state is held, not copied (bench/RESULTS.md). Offload state the host has
+# no room to hold (nor a delayed update's, which is never held) is written to disk while training waits, at the
+# rate the H200 machine's disk wrote a 1.4b checkpoint (under 0.6 GB/s), about 14 bytes a parameter (bf16
+# weights, fp32 masters and moments; 16 with a delayed update's working weights).
 D2H_BYTES_S = 51e9
 HELD_SAVE_S = 0.05
+DISK_BYTES_S = 0.6e9
 
 
-def save_blocking_s(device_params: int, holds_host_state: bool, host_copy_bytes_s: float | None) -> float:
-    """Seconds a save blocks training: `host_copy_bytes_s` None on a GPU."""
-    if holds_host_state:
-        return HELD_SAVE_S
-    return device_params * 12 / (host_copy_bytes_s or D2H_BYTES_S)
+def save_blocking_s(device_params: int, offloaded_params: int, held: bool, host_copy_bytes_s: float | None,
+                    bytes_per_param: int = 14) -> float:
+    """Seconds a save blocks training: `host_copy_bytes_s` None on a GPU; `held`: the offload engine holds its
+    state for the writer."""
+    if offloaded_params and not held:
+        return (device_params + offloaded_params) * bytes_per_param / DISK_BYTES_S
+    return device_params * 12 / (host_copy_bytes_s or D2H_BYTES_S) + (HELD_SAVE_S if offloaded_params else 0.0)
 
 
 class Checkpointer(BackgroundWriter):
