@@ -284,16 +284,17 @@ class OffloadEngine(CpuWorker):
         if self.delayed:
             self._count("release_wait_s", time.perf_counter() - t0)
         b.staging_free = False
-        if self.cuda:
-            # On the stream that produced the gradients (FSDP2: its reduce-scatter stream).
-            b.grads_ready = torch.cuda.current_stream().record_event()
-        if b.pending_upload:
-            self._upload_staged(b)
         grads = [local(p.grad) for p in b.params]
         # One landing per step: the bucket's squared norm is taken here, on the device (a read of the gradient
         # that the GPU does in microseconds), so the host never makes a pass over it. With accumulation the norm is
         # that of the sum, taken on the host while it adds the last micro-batch.
         sq = squared_norm(grads) if step.landings == 1 else None
+        if self.cuda:
+            # On the stream that produced the gradients (FSDP2: its reduce-scatter stream), after their norm: the
+            # copies below wait for this event, the norm's included.
+            b.grads_ready = torch.cuda.current_stream().record_event()
+        if b.pending_upload:
+            self._upload_staged(b)
         copied = None
         if self.cuda:
             self._d2h.wait_event(b.grads_ready)
