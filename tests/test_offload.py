@@ -774,8 +774,10 @@ def test_gpu_offload_trains_like_plain_bf16_in_less_memory(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_delayed_update_follows_the_ordinary_curve_and_resumes_exactly(tmp_path):
     """memory.offload_delayed_update on the GPU (bf16 working weights through the pinned staging buffers, the H2D
-    upload ordered before the D2H of the next gradient): close to the ordinary offload curve (one step stale), and
-    a run killed and resumed trains the uninterrupted curve (within bf16's run-to-run spread)."""
+    upload ordered before the D2H of the next gradient): step 2 still runs on the first weights, step 3 on the first
+    update (which the ordinary run already had at step 2), and a run killed and resumed trains the uninterrupted
+    curve (within bf16's run-to-run spread). The two modes' curves are not compared further: at this size and
+    learning rate both are erratic (on the CPU they end 0.26 apart after being up to 3 apart)."""
     ordinary, delayed, resumed = tmp_path / "ordinary", tmp_path / "delayed", tmp_path / "resumed"
     common = {"job.device": "cuda", "training.steps": 20, "checkpoint.every": 10, "memory.offload": True,
               "model.dim": 1024, "model.n_layers": 4, "model.n_heads": 8, "model.n_kv_heads": 8, "model.ffn_dim": 2816}
@@ -784,7 +786,8 @@ def test_gpu_delayed_update_follows_the_ordinary_curve_and_resumes_exactly(tmp_p
     run_cli("train", *tiny_args(delayed, **on))
     a, b = read_metrics(ordinary), read_metrics(delayed)
     assert b[0]["loss"] == pytest.approx(a[0]["loss"], abs=1e-3)  # the same first step
-    assert b[-1]["loss"] < b[0]["loss"] and b[-1]["loss"] == pytest.approx(a[-1]["loss"], abs=0.3)
+    assert a[1]["loss"] < a[0]["loss"] - 1.0  # the ordinary update lands at once (CPU: 6.42 -> 3.88)
+    assert b[1]["loss"] > b[0]["loss"] - 0.2 and b[2]["loss"] < b[0]["loss"] - 1.0  # delayed: one step later
     assert b[-1]["offload.h2d_s"] > 0 and b[-1]["offload.speculated"] == 0
     run_cli("train", *tiny_args(resumed, **on), env={"HOLOTRAIN_KILL_DURING_SAVE": "20"}, check=False)
     run_cli("train", *tiny_args(resumed, **on))
