@@ -42,6 +42,7 @@ def test_traced_steps_report_and_metrics(tmp_path):
     for row in rows:
         assert row["time.forward"] > 0 and row["time.backward"] > 0 and row["time.optimizer"] > 0
         assert row["mem.host_rss_gb"] > 0
+        assert row["host.gc_s"] >= 0 and row["host.gc_full"] >= 0
         assert row["energy.joules"] is None and row["hw.sm_clock_mhz"] is None  # no NVML on a CPU run
         assert row["wall_time"] > 1.7e9
     assert (run / "report.html").is_file(), "every run ends with its report"
@@ -65,3 +66,28 @@ def test_nested_phases_are_reported_under_their_parent():
     assert set(times) == {"time.forward", "time.forward.offload_wait", "time.offload_wait"}
     assert times["time.forward"] >= times["time.forward.offload_wait"] >= 0.01
     assert _top_level(sorted(times)) == ["time.forward", "time.offload_wait"]
+
+
+def test_gc_clock_times_collections_and_the_freeze_is_undone():
+    import gc
+
+    from holotrain.profile.gc_clock import GcClock, freeze_long_lived, thaw
+
+    clock = GcClock()
+    gc.disable()  # no automatic collection between the calls below
+    try:
+        cycle = []
+        cycle.append(cycle)
+        del cycle
+        gc.collect()
+        out = clock.collect(2)
+        assert out["host.gc_full"] == 1 and out["host.gc_s"] > 0
+        assert clock.collect(1) == {"host.gc_s": 0.0, "host.gc_full": 0}
+        freeze_long_lived()
+        assert gc.get_freeze_count() > 0
+        thaw()
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+        clock.close()
+    assert clock._on_gc not in gc.callbacks

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from holotrain.profile.gc_clock import GcClock, freeze_long_lived, thaw
 from holotrain.profile.goodput import Goodput
 from holotrain.profile.metrics import MetricsLogger
 from holotrain.profile.phases import PhaseClock
@@ -23,6 +24,7 @@ class Profiler:
         self.clock = PhaseClock(env.device) if section.phases else None
         self.tracer = StepTracer(section.trace_steps, run_dir, env.rank, section.trace_max_mb, env.device.type == "cuda")
         self.goodput = Goodput()  # the whole process's wall time, accounted
+        self.gc = GcClock()  # host.gc_s: the interpreter's collections, which stall the launch of GPU work
 
     def logger(self, total_steps: int, start_step: int) -> MetricsLogger | None:
         """The metrics sinks (metrics.jsonl, TensorBoard, the terminal): the main rank's only."""
@@ -36,17 +38,23 @@ class Profiler:
     def after(self, step: int) -> None:
         self.tracer.after(step)
 
+    def first_step_done(self) -> None:
+        """Model, compiled graphs and optimizer state exist now and live for the run: out of the collector's walks."""
+        freeze_long_lived()
+
     def add(self, phase: str, seconds: float) -> None:
         """A duration measured elsewhere (waiting for data)."""
         if self.clock is not None:
             self.clock.add(phase, seconds)
 
     def metrics(self, steps: int) -> dict:
-        """time.* per step since the last call; after the device is synchronized."""
-        return self.clock.collect(steps) if self.clock is not None else {}
+        """time.* per step since the last call (after the device is synchronized), and host.gc_s."""
+        return {**(self.clock.collect(steps) if self.clock is not None else {}), **self.gc.collect(steps)}
 
     def close(self) -> None:
         self.tracer.close()
+        self.gc.close()
+        thaw()
 
     def write_goodput(self, checkpoint_s: float) -> dict | None:
         """RUN_DIR/goodput.json with the whole process's breakdown (main rank), printed as one line."""

@@ -282,6 +282,7 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                 torch.cuda.synchronize(env.device)
             goodput.first_step_s = time.perf_counter() - t_step
             checkpointer.prepare(optimizer)  # the optimizer's state exists now
+            profiler.first_step_done()
         profiler.after(done)
         loss_sum += loss
         interval_steps += 1
