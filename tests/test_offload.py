@@ -786,8 +786,11 @@ def test_gpu_delayed_update_follows_the_ordinary_curve_and_resumes_exactly(tmp_p
     run_cli("train", *tiny_args(delayed, **on))
     a, b = read_metrics(ordinary), read_metrics(delayed)
     assert b[0]["loss"] == pytest.approx(a[0]["loss"], abs=1e-3)  # the same first step
-    assert a[1]["loss"] < a[0]["loss"] - 1.0  # the ordinary update lands at once (CPU: 6.42 -> 3.88)
-    assert b[1]["loss"] > b[0]["loss"] - 0.2 and b[2]["loss"] < b[0]["loss"] - 1.0  # delayed: one step later
+    # Step 2 (one batch, both runs): the ordinary run has its first update, the delayed one still the first
+    # weights (on the H200 5.48 against 6.38 at step 1; on the CPU 3.88 against 6.42). Step 3: the delayed
+    # run's first update has landed.
+    assert b[1]["loss"] > b[0]["loss"] - 0.2 and a[1]["loss"] < b[1]["loss"] - 0.5
+    assert b[2]["loss"] < b[1]["loss"] - 0.5
     assert b[-1]["offload.h2d_s"] > 0 and b[-1]["offload.speculated"] == 0
     run_cli("train", *tiny_args(resumed, **on), env={"HOLOTRAIN_KILL_DURING_SAVE": "20"}, check=False)
     run_cli("train", *tiny_args(resumed, **on))
