@@ -83,10 +83,12 @@ def test_gc_clock_times_collections_and_the_freeze_is_undone():
         out = clock.collect(2)
         assert out["host.gc_full"] == 1 and out["host.gc_s"] > 0
         assert clock.collect(1) == {"host.gc_s": 0.0, "host.gc_full": 0}
-        freeze_long_lived()
-        assert gc.get_freeze_count() > 0
-        thaw()
-        assert gc.get_freeze_count() == 0
+        before = gc.get_threshold()
+        saved = freeze_long_lived()
+        assert gc.get_freeze_count() > 0 and saved == before
+        assert gc.get_threshold()[2] > 10**9  # no full collection of the interpreter's own
+        thaw(saved)
+        assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
     finally:
         gc.enable()
         clock.close()

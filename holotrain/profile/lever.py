@@ -3,10 +3,11 @@ report at the end of the run. Built from the `profile` section alone."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from holotrain.profile.gc_clock import GcClock, freeze_long_lived, thaw
+from holotrain.profile.gc_clock import FULL_EVERY_STEPS, GcClock, freeze_long_lived, thaw
 from holotrain.profile.goodput import Goodput
 from holotrain.profile.metrics import MetricsLogger
 from holotrain.profile.phases import PhaseClock
@@ -25,6 +26,7 @@ class Profiler:
         self.tracer = StepTracer(section.trace_steps, run_dir, env.rank, section.trace_max_mb, env.device.type == "cuda")
         self.goodput = Goodput()  # the whole process's wall time, accounted
         self.gc = GcClock()  # host.gc_s: the interpreter's collections, which stall the launch of GPU work
+        self._gc_thresholds: tuple[int, ...] | None = None  # the interpreter's, while the trainer collects itself
 
     def logger(self, total_steps: int, start_step: int) -> MetricsLogger | None:
         """The metrics sinks (metrics.jsonl, TensorBoard, the terminal): the main rank's only."""
@@ -37,10 +39,12 @@ class Profiler:
 
     def after(self, step: int) -> None:
         self.tracer.after(step)
+        if self._gc_thresholds is not None and step % FULL_EVERY_STEPS == 0:
+            gc.collect()
 
     def first_step_done(self) -> None:
         """Model, compiled graphs and optimizer state exist now and live for the run: out of the collector's walks."""
-        freeze_long_lived()
+        self._gc_thresholds = freeze_long_lived()
 
     def add(self, phase: str, seconds: float) -> None:
         """A duration measured elsewhere (waiting for data)."""
@@ -54,7 +58,8 @@ class Profiler:
     def close(self) -> None:
         self.tracer.close()
         self.gc.close()
-        thaw()
+        thaw(self._gc_thresholds)
+        self._gc_thresholds = None
 
     def write_goodput(self, checkpoint_s: float) -> dict | None:
         """RUN_DIR/goodput.json with the whole process's breakdown (main rank), printed as one line."""
