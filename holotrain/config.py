@@ -172,9 +172,8 @@ class MemoryConfig(_Section):
     # where it cannot be built), "native" (the extension or an error) or "torch" (torch ops: more passes over memory).
     offload_kernel: str = "auto"
     offload_threads: int = 0  # CPU threads of the offloaded step; 0 = this rank's share of the cores, minus one
-    # Python's GIL switch interval while the engine runs, in ms (0 = leave Python's, 5 ms). The CPU worker takes
-    # the GIL back a dozen times per bucket (between its native update and the copies it queues); with the training
-    # thread running Python all through the step, each of those waits up to one interval, native threads idle.
+    # Python's GIL switch interval while the engine runs, in ms (0 = Python's 5 ms): the CPU worker takes the GIL back
+    # a dozen times a bucket, and at 5 ms its native threads wait on the training thread's Python.
     offload_gil_switch_ms: float = 0.25
     # ZeRO-Offload's delayed parameter update (memory/offload/__init__.py; changes the optimization: never planned).
     # On one process it takes one micro-batch per step (the working weights change when a bucket's gradient lands).
@@ -183,6 +182,9 @@ class MemoryConfig(_Section):
     # The head and the loss fused, in pieces of this many tokens (model/head.py: one piece's fp32 logits alive).
     # 0 = auto: 8192 with activation checkpointing (memory first), else the whole micro-batch at once.
     loss_chunk_tokens: int = 0
+    # The first this many blocks keep their saved tensors in pinned host memory between forward and backward
+    # (memory/activation_offload.py): less GPU memory at the peak, no recompute, PCIe traffic instead.
+    activation_offload_blocks: int = 0
 
 
 @dataclass
@@ -544,11 +546,8 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(pl.trial_steps >= 3, f"plan.trial_steps must be >= 3 (two are not timed), got {pl.trial_steps}")
     need(pl.seconds > 0, f"plan.seconds must be positive, got {pl.seconds}")
     wants_control = hw.lock_sm_clock_mhz > 0 or hw.power_limit_w > 0
-    need(
-        not wants_control or hw.allow_clock_control,
-        "hw.lock_sm_clock_mhz / hw.power_limit_w change the card's settings for every user of it: "
-        "set hw.allow_clock_control = true to allow that",
-    )
+    need(not wants_control or hw.allow_clock_control, "hw.lock_sm_clock_mhz / hw.power_limit_w change the card's "
+         "settings for every user of it: set hw.allow_clock_control = true to allow that")
     mem = cfg.memory
     # activation_checkpointing = true / false is accepted; the resolved config stores the policy name.
     ac = mem.activation_checkpointing
@@ -581,6 +580,8 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
          f"{mem.offload_gil_switch_ms}")
     need(mem.offload or not mem.offload_delayed_update, "memory.offload_delayed_update needs memory.offload = true")
     need(mem.loss_chunk_tokens >= 0, f"memory.loss_chunk_tokens must be >= 0 (0 = auto), got {mem.loss_chunk_tokens}")
+    need(0 <= mem.activation_offload_blocks <= m.n_layers, "memory.activation_offload_blocks must be between 0 and "
+         f"model.n_layers = {m.n_layers}, got {mem.activation_offload_blocks}")
     # The offload engine assumes FSDP2's sharding (disjoint shards, one gradient per step); tensor parallelism
     # replicates some parameters across ranks, which its norm would count twice.
     need(not (mem.offload and cfg.parallel.tp > 1), "memory.offload does not combine with parallel.tp > 1 yet")

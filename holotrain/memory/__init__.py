@@ -1,4 +1,5 @@
-"""The memory lever: activation checkpointing, the chunked loss, the memory plan, and where the optimizer runs.
+"""The memory lever: activation checkpointing and offload, the chunked loss, the memory plan, and where the
+optimizer runs.
 
 The trainer enters it through `build(section, env)`; the returned `Memory` applies its compute-side choices to the
 plain model and builds the optimizer (on the device, or the offload engine with `memory.offload`).
@@ -13,6 +14,7 @@ from torch import nn
 
 from holotrain.memory import plan
 from holotrain.memory.activation_checkpointing import apply_activation_checkpointing
+from holotrain.memory.activation_offload import ActivationOffload
 from holotrain.optim import AdamWHyper, DeviceAdamW, StepOptimizer
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ class Memory:
         if section.offload_ratio == "auto":
             raise ValueError('memory.offload_ratio is "auto": resolve the config first (holotrain.train.resolve)')
         self.section, self.env = section, env
+        self.activation_offload: ActivationOffload | None = None
 
     def check_fit(self, model: nn.Module, cfg: Config, micro: int, accum: int) -> None:
         """memory.check_fit: refuses, with the numbers and what would fit, a plan that cannot fit GPU or host memory.
@@ -49,11 +52,15 @@ class Memory:
                            local_ranks=self.env.local_world_size)
 
     def apply(self, model: nn.Module, vocab_parallel_loss: bool = False) -> None:
-        """Activation checkpointing and the loss in pieces, on the plain (or tensor-parallel) model. A
+        """Activation checkpointing and offload, and the loss in pieces, on the plain (or tensor-parallel) model. A
         vocabulary-parallel loss (tensor parallelism) holds 1/tp of the logits and is never chunked."""
         if self.section.activation_checkpointing != "none":
             apply_activation_checkpointing(model, self.section.activation_checkpointing,
                                            self.section.activation_checkpointing_blocks)
+        if self.section.activation_offload_blocks:
+            self.activation_offload = ActivationOffload(self.section.activation_offload_blocks, self.env.device,
+                                                        announce=self.env.is_main)
+            model.around_block = self.activation_offload.run_block
         model.loss_chunk_tokens = 0 if vocab_parallel_loss else plan.chunk_tokens(self.section)
 
     @property

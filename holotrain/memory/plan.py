@@ -208,6 +208,7 @@ class Activations:
     saved: float  # kept from forward to backward: the blocks' activations and weight casts, checkpoints' inputs
     loss: float  # the logits (of one piece when the loss is chunked) at the loss
     recompute: float  # one checkpointed block recomputed in backward, with its backward's buffers
+    offloaded: float = 0.0  # saved tensors of the first blocks held in host memory instead (activation offload)
 
     @property
     def peak(self) -> float:
@@ -227,24 +228,32 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     ac, blocks = cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks
     per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim) * SAVED_BYTES
     probs = tokens * elem_bytes * m.n_heads * cfg.data.seq_len if attention_probs else 0.0
-    recomputed = len(checkpointed_blocks(ac, m.n_layers, blocks))
-    lean = len(pointwise_blocks(ac, m.n_layers, blocks))
+    recomputed_at = set(checkpointed_blocks(ac, m.n_layers, blocks))
+    lean_at = set(pointwise_blocks(ac, m.n_layers, blocks))
+    recomputed, lean = len(recomputed_at), len(lean_at)
     plain = m.n_layers - recomputed - lean
+    # Activation offload moves what the first blocks save to the host; a recomputed block saves nothing it sees.
+    off = set(range(cfg.memory.activation_offload_blocks)) - recomputed_at
+    lean_off, plain_off = len(off & lean_at), len(off - lean_at)
     fp8_on = cfg.training.fp8 != "none"
     # FP8 linears keep their inputs cast; a "pointwise" block recomputes those casts, and the matmuls' outputs it
     # keeps are in the compute dtype: the 14B's peak, FP8 with "pointwise" and with selective, decided it.
     fp8 = FP8_ACTIVATIONS if fp8_on else 1.0
     lean_share = pointwise_kept_share(m.dim, m.n_kv_heads * m.dim // m.n_heads, m.ffn_dim)
-    casts = 0 if fp8_on or elem_bytes == 4 else WEIGHT_CAST_BYTES * block_weights * (plain + lean) / m.n_layers
-    saved = (plain * (per_block + probs) * fp8 + lean * (per_block * lean_share + probs)
-             + recomputed * tokens * elem_bytes * m.dim + casts)
+    cast = 0 if fp8_on or elem_bytes == 4 else WEIGHT_CAST_BYTES * block_weights / m.n_layers  # one block's
+
+    def kept(n_plain: int, n_lean: int) -> float:
+        return n_plain * (per_block + probs) * fp8 + n_lean * (per_block * lean_share + probs) + (n_plain + n_lean) * cast
+
+    offloaded = kept(plain_off, lean_off)
+    saved = kept(plain, lean) - offloaded + recomputed * tokens * elem_bytes * m.dim
     per_block += probs
     chunk = loss_chunk_tokens(cfg)
     if chunk and chunk < tokens:
         loss = chunk * m.vocab_size * PIECE_BYTES
     else:
         loss = tokens * m.vocab_size * (LOSS_BYTES if compiled and elem_bytes == 2 else EAGER_LOSS_BYTES)
-    return Activations(saved, loss, (per_block * fp8) if recomputed else 0.0)
+    return Activations(saved, loss, (per_block * fp8) if recomputed else 0.0, offloaded)
 
 
 @dataclass
@@ -329,6 +338,8 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
             gpu["activations (estimate)"] = acts.recompute
         if gathered:
             gpu["gathered blocks (FSDP2)"] = gathered
+        if acts.offloaded:
+            host["saved activations of the first blocks (pinned)"] = acts.offloaded
         if mem.offload:
             gpu["gradients in flight to the host"] = 2 * biggest * working
             host["offloaded masters, moments and staging"] = offloaded_host
@@ -341,11 +352,13 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
                     host["model built in fp32 on the host (start-up peak)"] = build_peak - offloaded_host - upload_slots
     else:
         host["weights, gradients and AdamW"] = n_dev * per_rank * 16
-        host["activations (estimate)"] = acts.peak
+        host["activations (estimate)"] = acts.peak + acts.offloaded
         if mem.offload:
             host_per_param["working weight"] = working
             host["offloaded masters, moments and staging"] = n_cpu * per_rank * sum(host_per_param.values())
-    pinned = (n_cpu * per_rank * working + upload_slots) if (cuda and mem.offload) else 0.0
+    pinned = 0.0
+    if cuda:
+        pinned = acts.offloaded + ((n_cpu * per_rank * working + upload_slots) if mem.offload else 0.0)
     if gpu_capacity is None and cuda:
         gpu_capacity = gpu_available_bytes(device) * gpu_usable_share(cfg)
     if host_capacity is None:

@@ -198,6 +198,9 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.residual_in_autocast_dtype = True
+        # How each block is run, for a lever that acts around blocks from outside their compiled code:
+        # around_block(index, block, h, cos, sin, mask) (memory/activation_offload.py). None: block(h, ...).
+        self.around_block = None
         # > 0: the head and the loss are fused and taken in pieces of this many tokens (see `loss`); loss_piece
         # computes one piece (compiled from outside like the blocks).
         self.loss_chunk_tokens = 0
@@ -269,8 +272,8 @@ class Llama(nn.Module):
             # Carry the residual stream in the autocast dtype (bf16), as FSDP2's bf16 parameters do:
             # every norm and residual add then moves half the bytes.
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        for block in self.layers.values():
-            h = block(h, cos, sin, mask)
+        for i, block in enumerate(self.layers.values()):
+            h = block(h, cos, sin, mask) if self.around_block is None else self.around_block(i, block, h, cos, sin, mask)
         if targets is None:
             return self.output(self.norm(h))
         return self.loss(h, targets)

@@ -1,0 +1,112 @@
+"""memory.activation_offload_blocks: the first blocks' saved tensors wait in host memory between forward and
+backward. On the CPU the same bookkeeping copies to host buffers and back, so training must be bit for bit the same;
+on a GPU (skipped without one) the copies run on streams of their own and the peak falls."""
+
+import pytest
+import torch
+from conftest import read_metrics, run_cli, tiny_args
+
+from holotrain.memory.activation_offload import ActivationOffload
+from holotrain.model import Llama, LlamaArgs
+
+ARGS = LlamaArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256, max_seq_len=32)
+
+
+def _grads(model, batches, offload=None):
+    model.zero_grad(set_to_none=True)
+    model.around_block = None if offload is None else offload.run_block
+    losses = []
+    for tokens in batches:  # gradient accumulation: the host buffers are reused by the next micro-batch
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_offloaded_blocks_give_the_same_gradients(compiled):
+    torch.manual_seed(0)
+    model = Llama(ARGS)
+    if compiled:
+        for block in model.layers.values():
+            block.compile()
+    batches = [torch.randint(0, ARGS.vocab_size, (2, 33)) for _ in range(2)]
+    want_losses, want = _grads(model, batches)
+    offload = ActivationOffload(2, torch.device("cpu"), min_bytes=0)
+    got_losses, got = _grads(model, batches, offload)
+    assert got_losses == want_losses
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert offload.host_bytes > 0
+    assert {key[0] for key in offload._slots} == {0, 1}, "blocks 0 and 1 only"
+    assert not any(offload._packed.values()), "every offloaded tensor came back"
+    # A second step reuses the host buffers.
+    buffers = {key: slot.host.data_ptr() for key, slot in offload._slots.items()}
+    again_losses, again = _grads(model, batches, offload)
+    assert again_losses == want_losses and all(torch.equal(again[n], want[n]) for n in want)
+    assert {key: slot.host.data_ptr() for key, slot in offload._slots.items()} == buffers
+
+
+def test_training_offloads_through_the_config(tmp_path):
+    size = {"model.dim": 256, "model.ffn_dim": 704, "data.seq_len": 128, "training.steps": 2,
+            "checkpoint.every": 0, "memory.activation_offload_blocks": 1}  # saved tensors of 1-3 MB: offloaded
+    proc = run_cli("train", *tiny_args(tmp_path, **size))
+    line = next(x for x in proc.stdout.splitlines() if "activation offload" in x)
+    assert "blocks 0-0 keep" in line and " 0 saved tensors" not in line, line
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_the_memory_plan_moves_offloaded_activations_to_the_host():
+    from holotrain.config import find_config, load_config, resolve
+    from holotrain.memory.plan import plan_memory
+    from holotrain.train.resolve import model_args
+
+    def plan(blocks):
+        cfg = resolve(load_config(find_config("1.4b"), ["--training.batch_size=16",
+                                                        f"--memory.activation_offload_blocks={blocks}"]))
+        with torch.device("meta"):
+            model = Llama(model_args(cfg))
+        return plan_memory(model, cfg, 1, torch.device("cuda"), 16, 1, gpu_capacity=140e9, host_capacity=100e9)
+
+    none, three = plan(0), plan(3)
+    moved = none.gpu["activations (estimate)"] - three.gpu["activations (estimate)"]
+    assert moved == pytest.approx(3 / 24 * (none.gpu["activations (estimate)"] - 0), rel=0.2)
+    assert three.host["saved activations of the first blocks (pinned)"] == pytest.approx(moved)
+    assert three.pinned == pytest.approx(moved)
+    assert 5e9 < moved < 8e9  # about 2.2 GB a block at 16 x 2048 tokens (measured on the H200)
+
+
+def test_more_offloaded_blocks_than_the_model_has_is_a_config_error(tmp_path):
+    from conftest import run_cli_here
+
+    proc = run_cli_here("train", *tiny_args(tmp_path, **{"memory.activation_offload_blocks": 3}))
+    assert proc.returncode == 2 and "memory.activation_offload_blocks" in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_offloaded_blocks_lower_the_peak_and_keep_the_gradients():
+    args = LlamaArgs(dim=1024, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=2816, vocab_size=4096, max_seq_len=2048)
+    torch.manual_seed(0)
+    model = Llama(args).cuda()
+    for block in model.layers.values():
+        block.compile()
+    batches = [torch.randint(0, args.vocab_size, (4, 2049), device="cuda") for _ in range(2)]
+
+    def run(offload):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _grads(model, batches, offload)  # compiles, fills the host buffers
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            out = _grads(model, batches, offload)
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated()
+
+    (want_losses, want), plain_peak = run(None)
+    offload = ActivationOffload(2, torch.device("cuda"))
+    (got_losses, got), offload_peak = run(offload)
+    assert got_losses == pytest.approx(want_losses, abs=1e-6)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    per_block = offload.host_bytes / 2
+    assert offload_peak < plain_peak - 1.5 * per_block, (plain_peak / 1e9, offload_peak / 1e9, per_block / 1e9)
