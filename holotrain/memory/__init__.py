@@ -58,8 +58,8 @@ class Memory:
             apply_activation_checkpointing(model, self.section.activation_checkpointing,
                                            self.section.activation_checkpointing_blocks)
         if self.section.activation_offload_blocks:
-            self.activation_offload = ActivationOffload(self.section.activation_offload_blocks, self.env.device,
-                                                        announce=self.env.is_main)
+            self.activation_offload = ActivationOffload(self.section.activation_offload_blocks, len(model.layers),
+                                                        self.env.device, announce=self.env.is_main)
             model.around_block = self.activation_offload.run_block
         model.loss_chunk_tokens = 0 if vocab_parallel_loss else plan.chunk_tokens(self.section)
 

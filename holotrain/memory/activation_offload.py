@@ -12,8 +12,10 @@ forward returns and unpacks them all when its backward starts; an eager block, o
   (made on the first step, reused by every later one), once the compute stream has produced it. record_stream
   tells the allocator that its memory may be reused only when that copy is done.
 - Fetch: the copy back, on the fetch stream, into a fresh GPU tensor with the same strides (compiled backward
-  code expects them). Fetches start early: when the gradient reaches block i's output, those of the offloaded
-  blocks down to i - PREFETCH_BLOCKS are queued, so they run under the backward of the blocks above.
+  code expects them). Fetches start as early as memory allows: block j's when the gradient reaches block
+  j + n_layers - 1 - N, when as many blocks have finished their backward (and freed what they kept) as have been
+  fetched. So the copies back run under the backward of the blocks above, and the step's peak stays the end of
+  forward.
 - Unpack: the compute stream waits for the tensor's fetch.
 On a CPU the same bookkeeping copies into host buffers and back, without streams: the reference path the tests
 compare against training without offload.
@@ -26,7 +28,37 @@ from dataclasses import dataclass
 import torch
 
 MIN_BYTES = 1 << 20  # smaller saved tensors (norm weights, statistics) stay where they are
-PREFETCH_BLOCKS = 6  # how far ahead in backward a block's tensors start coming back (see the module's note)
+# The PCIe link, for the planner: the offload engine's copies on the H200 moved 13.5 GB to the host in 0.27 s and
+# back in 0.32 s (bench/RESULTS.md).
+OUT_BYTES_S, BACK_BYTES_S = 50e9, 42e9
+
+
+def exposed_copy_s(offloaded_bytes: float, blocks: int, n_layers: int, forward_s: float, backward_s: float) -> float:
+    """Seconds one micro-batch's backward waits for the copies back, by the module's rule: the blocks' copies go
+    out one after another as their forwards end and come back one after another, each queued when the gradient
+    reaches the block fetch_lead() above it and needed when that block's own backward starts. Forward never waits:
+    it only frees the memory later."""
+    if not blocks or offloaded_bytes <= 0:
+        return 0.0
+    back = offloaded_bytes / blocks / BACK_BYTES_S  # one block's
+    fwd, bwd = forward_s / n_layers, backward_s / n_layers
+    # Backward's clock starts at the end of forward: the last copy out lands this long after (or before) that.
+    out_done = fwd + offloaded_bytes / OUT_BYTES_S - forward_s
+    delay = 0.0
+    fetched = out_done
+    lead = fetch_lead(blocks, n_layers)
+    for j in range(blocks - 1, -1, -1):  # the copies back, in backward's order
+        queued = (n_layers - 1 - (j + lead)) * bwd + delay
+        fetched = max(queued, fetched, out_done) + back
+        needed = (n_layers - 1 - j) * bwd + delay
+        delay += max(0.0, fetched - needed)
+    return delay
+
+
+def fetch_lead(blocks: int, n_layers: int) -> int:
+    """How many blocks above it a block's copy back is queued: as many blocks have then freed what they kept as
+    have been fetched (see the module's note); 0, on demand, when every block is offloaded."""
+    return max(0, n_layers - 1 - blocks)
 
 
 @dataclass
@@ -50,8 +82,10 @@ class _Packed:
 
 
 class ActivationOffload:
-    def __init__(self, n_blocks: int, device: torch.device, min_bytes: int = MIN_BYTES, announce: bool = False):
+    def __init__(self, n_blocks: int, n_layers: int, device: torch.device, min_bytes: int = MIN_BYTES,
+                 announce: bool = False):
         self.n_blocks, self.min_bytes = n_blocks, min_bytes
+        self.lead = fetch_lead(n_blocks, n_layers)
         self._announce = announce  # one line after the first backward: what the host holds
         self.cuda = device.type == "cuda"
         self.device = device
@@ -77,7 +111,7 @@ class ActivationOffload:
                 out = block(h, *args)
         else:
             out = block(h, *args)
-        if out.requires_grad and index < self.n_blocks + PREFETCH_BLOCKS:
+        if out.requires_grad and index < self.n_blocks + self.lead:
             out = _BackwardReached.apply(out, self, index)
         return out
 
@@ -115,7 +149,7 @@ class ActivationOffload:
     # ---- backward
     def backward_reached(self, index: int) -> None:
         """The gradient has reached block `index`'s output: fetch the offloaded blocks it will need soon."""
-        for block in range(min(index, self.n_blocks - 1), max(index - PREFETCH_BLOCKS, 0) - 1, -1):
+        for block in range(min(index, self.n_blocks - 1), max(index - self.lead, 0) - 1, -1):
             for packed in self._packed.pop(block, ()):
                 self._fetch(packed)
         if index == 0 and self._announce:

@@ -199,6 +199,7 @@ WEIGHT_CAST_BYTES = 2  # per weight of a block that is not recomputed: the bf16 
 LOSS_BYTES = 2.3  # per token and vocabulary entry, the compiled whole loss: bf16 logits kept for backward
 EAGER_LOSS_BYTES = 10  # the same in eager mode (or fp32): the logits, their fp32 upcast and its gradient
 PIECE_BYTES = 7  # per token and vocabulary entry of one piece of the chunked loss (model/head.py), in fp32
+OFFLOADED_ACTIVATIONS = "saved activations of the first blocks (pinned)"  # the host's entry for activation offload
 
 
 @dataclass
@@ -339,7 +340,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
         if gathered:
             gpu["gathered blocks (FSDP2)"] = gathered
         if acts.offloaded:
-            host["saved activations of the first blocks (pinned)"] = acts.offloaded
+            host[OFFLOADED_ACTIVATIONS] = acts.offloaded
         if mem.offload:
             gpu["gradients in flight to the host"] = 2 * biggest * working
             host["offloaded masters, moments and staging"] = offloaded_host

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from holotrain.memory.activation_checkpointing import recompute_share
+from holotrain.memory.activation_offload import OUT_BYTES_S, exposed_copy_s
 from holotrain.memory.offload.cost import ADAMW_IN_TRAINING, exposed_cpu_step
-from holotrain.memory.plan import GPU_USABLE, Plan, gpu_usable_share, plan_memory
+from holotrain.memory.plan import GPU_USABLE, OFFLOADED_ACTIVATIONS, Plan, gpu_usable_share, plan_memory
 from holotrain.model import flops_per_token
 from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
 from holotrain.precision.lever import FP8_HOST, matmul_time
@@ -188,6 +189,14 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
         phases["tp"] = tp_bytes_per_step(micro * cfg.data.seq_len, m.dim, m.n_layers, tp, accum) / link
         fsdp = fsdp_bytes_per_step(plan.n_params, dp, tp) / link
         phases["fsdp"] = fsdp / (m.n_layers + 1) + max(0.0, fsdp - compute)
+    moved = plan.host.get(OFFLOADED_ACTIVATIONS, 0.0)  # activation offload: one micro-batch's saved tensors
+    if moved:
+        forward = compute / accum / 3
+        if machine.device == "cuda" and moved / OUT_BYTES_S > forward * (1 - cfg.memory.activation_offload_blocks
+                                                                         / m.n_layers):
+            why.append("activation offload's copies outlast the forward: the memory would not be free at its peak")
+        phases["activation_offload"] = accum * exposed_copy_s(moved, cfg.memory.activation_offload_blocks,
+                                                              m.n_layers, forward, 2 * forward)
     offloaded = plan.n_offloaded if cfg.memory.offload else 0
     if offloaded:
         adamw = calib.adamw_params_s or machine.adamw_params_s * ADAMW_IN_TRAINING

@@ -68,6 +68,8 @@ class Candidate:
                          + f" x dp {self.ranks // tp}")
         if s.get("memory.offload"):
             parts.append(f"offload {s['memory.offload_ratio']:g}")
+        if s.get("memory.activation_offload_blocks"):
+            parts.append(f"activations of {s['memory.activation_offload_blocks']} blocks on the host")
         if s.get("training.fp8", "none") != "none":
             parts.append("fp8")
         if s.get("memory.loss_chunk_tokens"):
@@ -108,7 +110,8 @@ def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
 # The settings a plan chooses (a candidate's keys).
 PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing",
                 "memory.activation_checkpointing_blocks", "memory.offload", "memory.offload_ratio", "training.compile",
-                "memory.loss_chunk_tokens", "training.fp8", "parallel.tp", "parallel.tp_overlap")
+                "memory.loss_chunk_tokens", "training.fp8", "parallel.tp", "parallel.tp_overlap",
+                "memory.activation_offload_blocks")
 
 
 def held_settings(cfg: Config, overrides: list[str]) -> dict:
@@ -151,14 +154,20 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
     if gpu and machine.fp8 and t.fp8 in ("rowwise", "delayed"):
         fp8s.append(t.fp8)  # a recipe the job names is planned too (its costs counted as tensorwise's)
     compiles = [True, False] if gpu else [t.compile]
+    # Activation offload of the first eighth or quarter of the blocks: on a GPU, where the PCIe link is not the
+    # optimizer offload's, and for blocks that keep their activations.
+    n = cfg.model.n_layers
+    moved = [0] + (sorted({n // 8, n // 4} - {0}) if gpu else [])
     layouts = [(1, "none")] if ranks == 1 else [
         (tp, overlap) for tp in _tp_sizes(cfg, ranks)
         for overlap in (("none", "fused") if gpu and tp > 1 else ("none",))]
     out = []
-    for (tp, overlap), (ac, blocks), (offload, ratio), fp8, compiled, chunk in itertools.product(
-            layouts, checkpointing_choices(cfg.model.n_layers), offloads, fp8s, compiles, (0, 8192)):
+    for (tp, overlap), (ac, blocks), (offload, ratio), fp8, compiled, chunk, act_off in itertools.product(
+            layouts, checkpointing_choices(cfg.model.n_layers), offloads, fp8s, compiles, (0, 8192), moved):
         if chunk and (ac != "none" or tp > 1):
             continue  # chunked already under activation checkpointing (auto); TP's vocabulary-parallel loss never is
+        if act_off and (offload or tp > 1 or ac not in ("none", "pointwise")):
+            continue
         if tp > 1 and (offload or fp8 == "delayed" or (fp8 != "none" and overlap != "none")):
             continue  # combinations the trainer refuses (config.validate)
         dp = ranks // tp
@@ -172,7 +181,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
                 continue
             settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
                         "memory.activation_checkpointing_blocks": blocks, "memory.offload": offload,
-                        "memory.offload_ratio": ratio, "training.compile": compiled, "memory.loss_chunk_tokens": chunk}
+                        "memory.offload_ratio": ratio, "training.compile": compiled, "memory.loss_chunk_tokens": chunk,
+                        "memory.activation_offload_blocks": act_off}
             if gpu:
                 settings["training.fp8"] = fp8
             if ranks > 1:
