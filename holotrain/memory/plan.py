@@ -233,9 +233,9 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     lean_at = set(pointwise_blocks(ac, m.n_layers, blocks))
     recomputed, lean = len(recomputed_at), len(lean_at)
     plain = m.n_layers - recomputed - lean
-    # Activation offload moves what the first blocks save to the host; a recomputed block saves nothing it sees.
-    off = set(range(cfg.memory.activation_offload_blocks)) - recomputed_at
-    lean_off, plain_off = len(off & lean_at), len(off - lean_at)
+    # Activation offload moves what the first blocks save to the host. A checkpointed block's saved tensors are its
+    # checkpoint's (in eager mode also a "pointwise" block's), which the offload's hooks do not see: counted kept.
+    plain_off = len(set(range(cfg.memory.activation_offload_blocks)) - recomputed_at - lean_at)
     fp8_on = cfg.training.fp8 != "none"
     # FP8 linears keep their inputs cast; a "pointwise" block recomputes those casts, and the matmuls' outputs it
     # keeps are in the compute dtype: the 14B's peak, FP8 with "pointwise" and with selective, decided it.
@@ -246,7 +246,7 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     def kept(n_plain: int, n_lean: int) -> float:
         return n_plain * (per_block + probs) * fp8 + n_lean * (per_block * lean_share + probs) + (n_plain + n_lean) * cast
 
-    offloaded = kept(plain_off, lean_off)
+    offloaded = kept(plain_off, 0)
     saved = kept(plain, lean) - offloaded + recomputed * tokens * elem_bytes * m.dim
     per_block += probs
     chunk = loss_chunk_tokens(cfg)

@@ -155,7 +155,7 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
         fp8s.append(t.fp8)  # a recipe the job names is planned too (its costs counted as tensorwise's)
     compiles = [True, False] if gpu else [t.compile]
     # Activation offload of the first eighth or quarter of the blocks: on a GPU, where the PCIe link is not the
-    # optimizer offload's, and for blocks that keep their activations.
+    # optimizer offload's, and without activation checkpointing (whose saved tensors its hooks do not see).
     n = cfg.model.n_layers
     moved = [0] + (sorted({n // 8, n // 4} - {0}) if gpu else [])
     layouts = [(1, "none")] if ranks == 1 else [
@@ -166,7 +166,7 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             layouts, checkpointing_choices(cfg.model.n_layers), offloads, fp8s, compiles, (0, 8192), moved):
         if chunk and (ac != "none" or tp > 1):
             continue  # chunked already under activation checkpointing (auto); TP's vocabulary-parallel loss never is
-        if act_off and (offload or tp > 1 or ac not in ("none", "pointwise")):
+        if act_off and (offload or tp > 1 or ac != "none"):
             continue
         if tp > 1 and (offload or fp8 == "delayed" or (fp8 != "none" and overlap != "none")):
             continue  # combinations the trainer refuses (config.validate)
