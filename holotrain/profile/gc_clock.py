@@ -3,11 +3,11 @@ small.
 
 A full collection walks every tracked object. After the first step the process holds the model, the compiled graphs
 and their caches (some 0.5M objects), and a walk over them takes 0.3 s or so: a stall the GPU waits out whenever
-the collector happens to start inside forward. Those objects live for the whole run, so `freeze()` moves them out
-of the collector's sight; later collections walk only what the steps themselves create. Even those full
-collections took 0.08-0.17 s on the H200 machine, so after the freeze the interpreter makes none on its own
-(young generations are still collected as usual): the trainer asks for one every FULL_EVERY_STEPS steps, which
-bounds what cyclic garbage can pile up.
+the collector happens to start inside forward. Those objects live for the whole run, so `freeze_long_lived()` moves
+them out of the collector's sight, after the first step and again at the first logged step (FP8 "delayed" compiles
+its main variant in the second step: on the H200 the full collections that walked it took 0.08-0.17 s). After the
+first freeze the interpreter makes no full collection of its own (young generations are collected as usual); the
+trainer asks for one every FULL_EVERY_STEPS steps, which bounds what cyclic garbage can pile up.
 """
 
 from __future__ import annotations
@@ -47,11 +47,15 @@ class GcClock:
             gc.callbacks.remove(self._on_gc)
 
 
-def freeze_long_lived() -> tuple[int, ...]:
-    """Collects once, exempts every object alive now from later collections, and stops the interpreter's own full
-    collections (see the module's note). Returns the thresholds to restore."""
+def freeze_long_lived() -> None:
+    """Collects once, then exempts every object alive now from later collections (see the module's note)."""
     gc.collect()
     gc.freeze()
+
+
+def stop_full_collections() -> tuple[int, ...]:
+    """No more full collections of the interpreter's own (see the module's note); returns the thresholds to
+    restore."""
     thresholds = gc.get_threshold()
     gc.set_threshold(thresholds[0], thresholds[1], _NEVER)
     return thresholds

@@ -7,7 +7,7 @@ import gc
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from holotrain.profile.gc_clock import FULL_EVERY_STEPS, GcClock, freeze_long_lived, thaw
+from holotrain.profile.gc_clock import FULL_EVERY_STEPS, GcClock, freeze_long_lived, stop_full_collections, thaw
 from holotrain.profile.goodput import Goodput
 from holotrain.profile.metrics import MetricsLogger
 from holotrain.profile.phases import PhaseClock
@@ -27,6 +27,7 @@ class Profiler:
         self.goodput = Goodput()  # the whole process's wall time, accounted
         self.gc = GcClock()  # host.gc_s: the interpreter's collections, which stall the launch of GPU work
         self._gc_thresholds: tuple[int, ...] | None = None  # the interpreter's, while the trainer collects itself
+        self._refreeze = False
 
     def logger(self, total_steps: int, start_step: int) -> MetricsLogger | None:
         """The metrics sinks (metrics.jsonl, TensorBoard, the terminal): the main rank's only."""
@@ -44,7 +45,9 @@ class Profiler:
 
     def first_step_done(self) -> None:
         """Model, compiled graphs and optimizer state exist now and live for the run: out of the collector's walks."""
-        self._gc_thresholds = freeze_long_lived()
+        freeze_long_lived()
+        self._gc_thresholds = stop_full_collections()
+        self._refreeze = True  # at the first logged step: what later steps compiled (gc_clock's note)
 
     def add(self, phase: str, seconds: float) -> None:
         """A duration measured elsewhere (waiting for data)."""
@@ -53,6 +56,9 @@ class Profiler:
 
     def metrics(self, steps: int) -> dict:
         """time.* per step since the last call (after the device is synchronized), and host.gc_s."""
+        if self._refreeze:
+            freeze_long_lived()
+            self._refreeze = False
         return {**(self.clock.collect(steps) if self.clock is not None else {}), **self.gc.collect(steps)}
 
     def close(self) -> None:
