@@ -4,9 +4,11 @@
 # (memory.loss_chunk_tokens=0) against the fused head in pieces of 8192 tokens, the fused head with FP8, and the
 # fused head under "pointwise" activation checkpointing (its loss in pieces automatically); pw8 and pw8-whole:
 # "pointwise" on 8 of the 24 blocks with the loss in pieces (automatic) and whole (one piece larger than the batch),
-# which tells the pieces' share of "pointwise"'s cost.
+# which tells the pieces' share of "pointwise"'s cost; offload3: the fused head with the first 3 blocks' saved
+# tensors in host memory (memory.activation_offload_blocks).
 # Usage (repo root, on the GPU machine): bash bench/gpu_head.sh OUT_DIR [STEPS] [RUNS]
-#   RUNS: space-separated names among whole fused fused-fp8 pointwise pw8 pw8-whole (default: the first four)
+#   RUNS: space-separated names among whole fused fused-fp8 pointwise pw8 pw8-whole offload3 (default: the first
+#   four)
 set -uo pipefail
 out=${1:?output directory}; steps=${2:-60}; runs=${3:-whole fused fused-fp8 pointwise}
 export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
@@ -17,7 +19,7 @@ run() {  # name, extra args
   local name=$1; shift
   s=$SECONDS
   timeout 200 "${train[@]}" --job.run_dir=/tmp/head-$name "$@" > "$out/$name.log" 2>&1
-  echo "== $name: rc $? in $(( SECONDS - s )) s"; grep -i "error\|holotrain: fp8" "$out/$name.log" | head -3
+  echo "== $name: rc $? in $(( SECONDS - s )) s"; grep -i "error\|holotrain: fp8\|activation offload" "$out/$name.log" | head -3
   cp /tmp/head-$name/metrics.jsonl "$out/$name.jsonl"; rm -rf /tmp/head-$name
 }
 pw8=(--memory.activation_checkpointing=pointwise --memory.activation_checkpointing_blocks=8)
@@ -29,6 +31,7 @@ for name in $runs; do
     pointwise) run pointwise --memory.activation_checkpointing=pointwise ;;
     pw8) run pw8 "${pw8[@]}" ;;
     pw8-whole) run pw8-whole "${pw8[@]}" --memory.loss_chunk_tokens=1000000 ;;
+    offload3) run offload3 --memory.loss_chunk_tokens=8192 --memory.activation_offload_blocks=3 ;;
     *) echo "unknown run $name"; exit 2 ;;
   esac
 done
