@@ -45,6 +45,8 @@ def test_traced_steps_report_and_metrics(tmp_path):
         assert row["host.gc_s"] >= 0 and row["host.gc_full"] >= 0
         assert row["energy.joules"] is None and row["hw.sm_clock_mhz"] is None  # no NVML on a CPU run
         assert row["wall_time"] > 1.7e9
+    # After the first step's freeze the interpreter makes no full collection of its own.
+    assert all(row["host.gc_full"] == 0 for row in rows[1:]), [row["host.gc_full"] for row in rows]
     assert (run / "report.html").is_file(), "every run ends with its report"
 
 
