@@ -1,5 +1,6 @@
-"""The profiling lever as the trainer sees it: the step phase clock, torch.profiler traces of chosen steps, and the
-report at the end of the run. Built from the `profile` section alone."""
+"""The profiling lever as the trainer sees it: the step phase clock, torch.profiler traces of chosen steps, the
+garbage collector's time (and the freezes that keep it off the hot path), and the report at the end of the run.
+Built from the `profile` section alone."""
 
 from __future__ import annotations
 
