@@ -88,6 +88,8 @@ class ActivationOffload:
         self.lead = fetch_lead(n_blocks, n_layers)
         self._announce = announce  # one line after the first backward: what the host holds
         self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # "cuda" names the current card; tensors name it by its index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._packed: dict[int, list[_Packed]] = {}  # block -> its tensors of the last forward, until fetched
