@@ -5,9 +5,9 @@
 # fused head under "pointwise" activation checkpointing (its loss in pieces automatically); pw8 and pw8-whole:
 # "pointwise" on 8 of the 24 blocks with the loss in pieces (automatic) and whole (one piece larger than the batch),
 # which tells the pieces' share of "pointwise"'s cost; offload3: the fused head with the first 3 blocks' saved
-# tensors in host memory (memory.activation_offload_blocks).
+# tensors in host memory (memory.activation_offload_blocks); offload3-whole: the same with the whole loss at once.
 # Usage (repo root, on the GPU machine): bash bench/gpu_head.sh OUT_DIR [STEPS] [RUNS]
-#   RUNS: space-separated names among whole fused fused-fp8 pointwise pw8 pw8-whole offload3 (default: the first
+#   RUNS: space-separated names among whole fused fused-fp8 pointwise pw8 pw8-whole offload3 offload3-whole (default: the first
 #   four)
 set -uo pipefail
 out=${1:?output directory}; steps=${2:-60}; runs=${3:-whole fused fused-fp8 pointwise}
@@ -32,6 +32,7 @@ for name in $runs; do
     pw8) run pw8 "${pw8[@]}" ;;
     pw8-whole) run pw8-whole "${pw8[@]}" --memory.loss_chunk_tokens=1000000 ;;
     offload3) run offload3 --memory.loss_chunk_tokens=8192 --memory.activation_offload_blocks=3 ;;
+    offload3-whole) run offload3-whole --memory.loss_chunk_tokens=0 --memory.activation_offload_blocks=3 ;;
     *) echo "unknown run $name"; exit 2 ;;
   esac
 done

@@ -86,7 +86,12 @@ def test_more_offloaded_blocks_than_the_model_has_is_a_config_error(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_offloaded_blocks_lower_the_peak_and_keep_the_gradients():
-    args = LlamaArgs(dim=1024, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=2816, vocab_size=4096, max_seq_len=2048)
+    """The 1.4b's block shape, 16 blocks, the first 2 offloaded: a block's copy out (about 0.5 GB) takes several
+    blocks' forward, so the memory is free at the end of forward only when the copies run beside the compute as
+    they should. The gradients match training without offload up to the GPU's nondeterminism (attention's backward
+    accumulates in no fixed order), far below what a wrong or unfinished copy would change."""
+    args = LlamaArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=5632, vocab_size=4096,
+                     max_seq_len=2048)
     torch.manual_seed(0)
     model = Llama(args).cuda()
     for block in model.layers.values():
@@ -107,9 +112,11 @@ def test_gpu_offloaded_blocks_lower_the_peak_and_keep_the_gradients():
     (got_losses, got), offload_peak = run(offload)
     assert got_losses == pytest.approx(want_losses, abs=1e-6)
     for name in want:
-        assert torch.equal(got[name], want[name]), name
+        error = (got[name] - want[name]).norm() / want[name].norm()
+        assert error < 1e-3, (name, error.item())
     per_block = offload.host_bytes / 2
-    assert offload_peak < plain_peak - 1.5 * per_block, (plain_peak / 1e9, offload_peak / 1e9, per_block / 1e9)
+    assert per_block > 0.4e9
+    assert offload_peak < plain_peak - per_block, (plain_peak / 1e9, offload_peak / 1e9, per_block / 1e9)
 
 
 def test_copy_exposure_and_the_plans_choices():

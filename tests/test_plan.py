@@ -303,7 +303,7 @@ def test_plan_for_two_processes_tries_tensor_and_data_parallelism(tmp_path):
     assert proc.returncode == 2 and "was made for another job" in proc.stderr and "2 ranks" in proc.stderr
 
 
-# Peak GPU memory measured through `holotrain train` on one H200 (bench/RESULTS.md, 2026-12-01), and the settings:
+# Peak GPU memory measured through `holotrain train` on one H200 (bench/RESULTS.md, 2026-12-01 and -02), and the settings:
 # (shipped config, settings, measured GB).
 _NONE, _FULL = {"memory.activation_checkpointing": "none"}, {"memory.activation_checkpointing": "full"}
 MEASURED_PEAKS = [
@@ -315,6 +315,11 @@ MEASURED_PEAKS = [
               "training.fp8": "tensorwise"}, 56.8),
     ("1.4b", {"memory.offload": True}, 30.3),
     ("1.4b", {"training.fp8": "tensorwise", "memory.loss_chunk_tokens": 8192}, 37.7),
+    ("1.4b", {"training.fp8": "delayed"}, 42.3),
+    ("1.4b", {"training.batch_size": 16, "training.micro_batch_size": 16, "memory.loss_chunk_tokens": 8192,
+              "memory.activation_offload_blocks": 3}, 67.7),
+    ("1.4b", {"training.batch_size": 16, "training.micro_batch_size": 16, "memory.activation_offload_blocks": 3},
+     67.1),
     ("1.4b", {"training.fp8": "tensorwise", "memory.offload": True, "memory.offload_ratio": 0.25}, 33.1),
     ("1.4b", {"training.micro_batch_size": 1, **_NONE}, 28.1),
     ("1.4b", {"training.micro_batch_size": 4, **_NONE}, 38.3),

@@ -4,6 +4,7 @@ reads its own section of; nothing changes it afterwards, and it is what the run 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
-from holotrain.memory.plan import choose_offload_ratio
+from holotrain.memory.plan import choose_offload_ratio, plan_memory
 from holotrain.model import Llama, LlamaArgs
 from holotrain.parallel import DistEnv
 from holotrain.precision.lever import fp8_capable, fp8_shapes
@@ -88,7 +89,7 @@ def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_ru
     memory.offload_ratio = "auto": the smallest ratio the memory plan fits, agreed by all ranks (the largest of
     their choices), or, when resuming, the run's own choice (the checkpoint's split of optimizer state between
     GPU and host follows it)."""
-    _resolve_fp8(cfg, env, micro)
+    _resolve_fp8(cfg, env, micro, accum)
     mem = cfg.memory
     if mem.offload_ratio != "auto":
         return cfg
@@ -115,9 +116,11 @@ def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_ru
     return cfg
 
 
-def _resolve_fp8(cfg: Config, env: DistEnv, micro: int) -> None:
-    """training.fp8 = "auto": tensorwise where this GPU's FP8 GEMMs, measured at the job's shapes, pay (every rank
-    measures its own GPU; FP8 goes on only if it pays on all), else none; one line says which and why."""
+def _resolve_fp8(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
+    """training.fp8 = "auto": FP8 where this GPU's FP8 GEMMs, measured at the job's shapes, pay (every rank
+    measures its own GPU; FP8 goes on only if it pays on all), else none; one line says which and why. Where it
+    pays, the delayed recipe (its casts fused: the 1.4b trained 1.05x faster than with tensorwise) if the memory
+    plan fits it (it keeps forward's FP8 transposes) and the job has no tensor parallelism, else tensorwise."""
     t = cfg.training
     if t.fp8 != "auto":
         return
@@ -134,6 +137,34 @@ def _resolve_fp8(cfg: Config, env: DistEnv, micro: int) -> None:
         dist.all_reduce(on, op=dist.ReduceOp.MIN)
         if choice != "none" and not on.item():
             choice, reason = "none", "FP8 does not pay on another rank's GPU"
+    if choice == "tensorwise" and cfg.parallel.tp == 1:
+        choice, why = delayed_if_it_fits(cfg, env, micro, accum)
+        reason = f"{reason}; {why}"
     t.fp8 = choice
     if env.is_main:
         print(f"holotrain: training.fp8 = auto -> {choice} ({reason})")
+
+
+def delayed_if_it_fits(cfg: Config, env: DistEnv, micro: int, accum: int, **capacity) -> tuple[str, str]:
+    """("delayed" or "tensorwise", why), by the memory plan at the job's settings (its most offloaded optimizer
+    when memory.offload_ratio is "auto"), agreed by all ranks. `capacity`: plan_memory's, in place of this
+    machine's."""
+    trial = copy.deepcopy(cfg)
+    trial.training.fp8 = "delayed"
+    if trial.memory.offload_ratio == "auto":
+        trial.memory.offload_ratio = 1.0
+    with torch.device("meta"):
+        model = Llama(model_args(trial))
+    plan = plan_memory(model, trial, env.world_size, env.device, micro, accum, local_ranks=env.local_world_size,
+                       **capacity)
+    fits = plan.gpu_fits and plan.host_fits
+    if env.world_size > 1:
+        agreed = torch.tensor([int(fits)], device=env.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        fits = bool(agreed.item())
+    if fits:
+        return "delayed", "delayed scaling, whose casts fuse into the kernels that make the tensors"
+    need, have, where = ((plan.gpu_need, plan.gpu_capacity, "GPU") if not plan.gpu_fits
+                         else (plan.host_need, plan.host_capacity, "host"))
+    return "tensorwise", (f"tensorwise: delayed scaling would need {need / 1e9:.1f} GB of {where} memory, "
+                          f"{have / 1e9:.1f} GB available")
