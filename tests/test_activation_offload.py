@@ -88,8 +88,10 @@ def test_more_offloaded_blocks_than_the_model_has_is_a_config_error(tmp_path):
 def test_gpu_offloaded_blocks_lower_the_peak_and_keep_the_gradients():
     """The 1.4b's block shape, 16 blocks, the first 2 offloaded: a block's copy out (about 0.5 GB) takes several
     blocks' forward, so the memory is free at the end of forward only when the copies run beside the compute as
-    they should. The gradients match training without offload up to the GPU's nondeterminism (attention's backward
-    accumulates in no fixed order), far below what a wrong or unfinished copy would change."""
+    they should. The gradients match training without offload up to the GPU's nondeterminism: attention's backward
+    accumulates in no fixed order, and one rounding changed in a bf16 block carries on through the blocks below (on
+    an H200 the offloaded run differed by up to 0.33% of a gradient's norm, in blocks the offload does not touch
+    too). A wrong or unfinished copy changes the offloaded blocks' gradients wholesale."""
     args = LlamaArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=5632, vocab_size=4096,
                      max_seq_len=2048)
     torch.manual_seed(0)
@@ -103,17 +105,20 @@ def test_gpu_offloaded_blocks_lower_the_peak_and_keep_the_gradients():
             _grads(model, batches, offload)  # compiles, fills the host buffers
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()  # the earlier runs' gradients, still held, are not this run's
             out = _grads(model, batches, offload)
         torch.cuda.synchronize()
-        return out, torch.cuda.max_memory_allocated()
+        return out, torch.cuda.max_memory_allocated() - before
+
+    def error(a, b):
+        return ((a - b).norm() / b.norm()).item()
 
     (want_losses, want), plain_peak = run(None)
     offload = ActivationOffload(2, args.n_layers, torch.device("cuda"))
     (got_losses, got), offload_peak = run(offload)
     assert got_losses == pytest.approx(want_losses, abs=1e-6)
     for name in want:
-        error = (got[name] - want[name]).norm() / want[name].norm()
-        assert error < 1e-3, (name, error.item())
+        assert error(got[name], want[name]) < 2e-2, name
     per_block = offload.host_bytes / 2
     assert per_block > 0.4e9
     assert offload_peak < plain_peak - per_block, (plain_peak / 1e9, offload_peak / 1e9, per_block / 1e9)
