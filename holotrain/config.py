@@ -108,8 +108,8 @@ class TrainingConfig(_Section):
     max_nonfinite_steps: int = 20
     # FP8 matmuls for the linear layers (holotrain/precision): none | tensorwise | rowwise (torchao float8 training)
     # | delayed (scales from each tensor's recent maxima, casts fused into their producers: precision/delayed.py) |
-    # auto (where a supported GPU's measured FP8 GEMMs beat bf16 at the layer's shapes: delayed if the memory plan fits
-    # it and tp = 1, else tensorwise). fp8_skip: name patterns (fnmatch) of linear layers kept in the compute dtype.
+    # auto (where a supported GPU's measured FP8 GEMMs beat bf16 at the layer's shapes: delayed on one GPU if the
+    # memory plan fits it, else tensorwise). fp8_skip: name patterns (fnmatch) of linear layers kept in the compute dtype.
     # fp8_emulate: FP8 numerics without FP8 hardware (slow; for tests on a CPU).
     fp8: str = "none"
     fp8_skip: list[str] = field(default_factory=lambda: ["output"])

@@ -7,8 +7,7 @@ Recipes (torchao): "tensorwise" scales each tensor by one number (with FSDP2 the
 "rowwise" scales each row, more accurate and slower at small shapes. Holotrain's own, "delayed" (precision/delayed.py),
 scales each tensor by its recent maxima, so its casts fuse into the kernels that make the tensors. "auto" is resolved
 before the model is built (precision/probe.py, train/resolve.py): FP8 only where this GPU's FP8 GEMMs, measured at
-the layer's shapes, beat bf16; then delayed where the memory plan fits it and there is no tensor parallelism, else
-tensorwise."""
+the layer's shapes, beat bf16; then delayed on one GPU where the memory plan fits it, else tensorwise."""
 
 from __future__ import annotations
 
