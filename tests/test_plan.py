@@ -114,6 +114,11 @@ def test_cost_model_rules():
 
     base, fp8 = run(), run(**{"training.fp8": "tensorwise"})
     assert fp8.gpu_bytes < base.gpu_bytes and fp8.phases["compute"] == pytest.approx(base.phases["compute"] / 1.2)
+    # The delayed recipe: its casts fused, faster than tensorwise; its FP8 transposes kept, more memory.
+    from holotrain.precision.lever import DELAYED_GAIN
+    fused = run(**{"training.fp8": "delayed"})
+    assert fused.phases["compute"] == pytest.approx(fp8.phases["compute"] / DELAYED_GAIN)
+    assert fp8.gpu_bytes + 5e9 < fused.gpu_bytes < base.gpu_bytes
     clipped = run(**{"memory.offload": True})
     speculated = run(**{"memory.offload": True, "training.grad_clip": 0.0})
     assert clipped.phases["offload"] > speculated.phases["offload"] and clipped.gpu_bytes < base.gpu_bytes

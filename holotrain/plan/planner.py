@@ -150,9 +150,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
     delayed = cfg.memory.offload_delayed_update
     if delayed:
         offloads = [(True, r) for r in (0.25, 0.5, 0.75, 1.0)]
-    # FP8's recipes: delayed (first: on a tie of predicted speed the faster in practice; more memory, its FP8
-    # transposes) where there is no tensor parallelism, tensorwise, and rowwise if the job names it. Their times
-    # are counted alike; the trials tell them apart.
+    # FP8's recipes: delayed (faster, and more memory: its FP8 transposes) where there is no tensor parallelism,
+    # tensorwise, and rowwise if the job names it (its time counted as tensorwise's).
     fp8s = ["none"] + (["delayed", "tensorwise"] if gpu and machine.fp8 else [])
     if gpu and machine.fp8 and t.fp8 == "rowwise":
         fp8s.append(t.fp8)
