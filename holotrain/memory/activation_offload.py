@@ -113,7 +113,8 @@ class ActivationOffload:
                 out = block(h, *args)
         else:
             out = block(h, *args)
-        if out.requires_grad and index < self.n_blocks + self.lead:
+        # Marks only where backward queues a fetch (blocks lead .. lead+N-1), and on block 0 until the announcement.
+        if out.requires_grad and (self.lead <= index < self.n_blocks + self.lead or (index == 0 and self._announce)):
             out = _BackwardReached.apply(out, self, index)
         return out
 
