@@ -58,6 +58,26 @@ def test_emulated_fp8_trains_like_fp32_and_resumes_with_fp8_switched_off(tmp_pat
         assert [r["step"] for r in read_metrics(tmp_path / recipe)] == list(range(1, 13))
 
 
+@pytest.mark.slow
+def test_fsdp_over_two_processes_trains_fp8_like_one_process(tmp_path):
+    """FSDP2 over two gloo ranks with each recipe (emulated): tensorwise all-gathers its weights in FP8 (torchao's
+    float8 all-gather), delayed gathers them in the model's dtype and casts them. Each rank scales its own half of
+    the batch, so the losses follow the one-process run's closely, not exactly."""
+    from tests.test_distributed import torchrun
+
+    common = {"training.steps": 4, "checkpoint.every": 0, "checkpoint.save_final": False, "training.fp8_emulate": True}
+    for recipe in ("tensorwise", "delayed"):
+        settings = {**common, "training.fp8": recipe}
+        run_cli("train", *tiny_args(tmp_path / f"one-{recipe}", **settings), env={"OMP_NUM_THREADS": "1"})
+        out = torchrun(2, "train", *tiny_args(tmp_path / f"two-{recipe}", **settings))
+        assert f"fp8 {recipe} on 14 linear layers (emulated)" in out and "world size 2" in out, out[-2000:]
+        assert ("weights all-gathered in FP8" in out) == (recipe == "tensorwise"), out[-2000:]
+        one, two = read_metrics(tmp_path / f"one-{recipe}"), read_metrics(tmp_path / f"two-{recipe}")
+        assert [r["step"] for r in two] == [1, 2, 3, 4]
+        for a, b in zip(one, two):
+            assert b["loss"] == pytest.approx(a["loss"], rel=0.01), (recipe, a["loss"], b["loss"])
+
+
 def sqnr(a, b):
     """Signal to quantization noise of b against a, in dB."""
     return (20 * torch.log10(a.float().norm() / (a.float() - b.float()).norm())).item()

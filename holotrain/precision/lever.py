@@ -90,6 +90,7 @@ class Precision:
             if reason is not None:
                 raise ConfigError(f"training.fp8 = {self.recipe!r}: {reason}; set training.fp8 = 'none' or 'auto'")
         self.converted: list[str] = []
+        self.gathers_fp8 = False  # FSDP2 all-gathers the converted weights in FP8
 
     def apply(self, model: torch.nn.Module) -> None:
         """Swaps the admitted linear layers for FP8 ones (on the meta or real model, in place)."""
@@ -120,6 +121,12 @@ class Precision:
             return ok
 
         convert_to_float8_training(model, module_filter_fn=admit, config=config)
+        if gather_fp8:
+            from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+            # What torchao made of the weights: the FP8 all-gather is theirs to do.
+            self.gathers_fp8 = any(isinstance(m.weight, WeightWithDynamicFloat8CastTensor) for m in model.modules()
+                                   if hasattr(m, "weight"))
 
     def _apply_delayed(self, model: torch.nn.Module) -> None:
         """Holotrain's delayed recipe: linears that read one input (a module's `input_group`, e.g. q, k and v) share
@@ -160,7 +167,8 @@ class Precision:
     def describe(self) -> str | None:
         if self.recipe == "none":
             return None
-        return f"fp8 {self.recipe} on {len(self.converted)} linear layers" + (" (emulated)" if self.emulate else "")
+        return (f"fp8 {self.recipe} on {len(self.converted)} linear layers" + (" (emulated)" if self.emulate else "")
+                + (", weights all-gathered in FP8" if self.gathers_fp8 else ""))
 
 
 class Fp8Matmul:
