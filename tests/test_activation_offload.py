@@ -163,3 +163,18 @@ def test_copy_exposure_and_the_plans_choices():
     assert two.fits and none.gpu_bytes - two.gpu_bytes == pytest.approx(2 / 24 * 52e9, rel=0.15)
     assert two.phases["activation_offload"] == 0.0 and "activation_offload" not in none.phases
     assert not twelve.fits and "outlast the forward" in twelve.why_not
+
+
+@pytest.mark.slow
+def test_offload_under_fsdp_over_two_processes_trains_the_same(tmp_path):
+    """FSDP2's gathered weights are parameters, which stay where they are; the blocks' own saved tensors go to host
+    memory and back, so two gloo ranks train bit for bit as they do without offload."""
+    from tests.test_distributed import torchrun
+
+    size = {"model.dim": 256, "model.ffn_dim": 704, "data.seq_len": 128, "training.steps": 3, "checkpoint.every": 0,
+            "checkpoint.save_final": False}
+    plain = tmp_path / "plain"
+    torchrun(2, "train", *tiny_args(plain, **size))
+    out = torchrun(2, "train", *tiny_args(tmp_path / "offload", **size, **{"memory.activation_offload_blocks": 1}))
+    assert "blocks 0-0 keep" in out and " 0 saved tensors" not in out, out[-2000:]
+    assert [r["loss"] for r in read_metrics(tmp_path / "offload")] == [r["loss"] for r in read_metrics(plain)]
