@@ -147,9 +147,8 @@ def _resolve_fp8(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
 
 
 def delayed_if_it_fits(cfg: Config, env: DistEnv, micro: int, accum: int, **capacity) -> tuple[str, str]:
-    """("delayed" or "tensorwise", why), by the memory plan at the job's settings (its most offloaded optimizer
-    when memory.offload_ratio is "auto"), agreed by all ranks. `capacity`: plan_memory's, in place of this
-    machine's."""
+    """("delayed" or "tensorwise", why), by the memory plan at the job's settings on one GPU (its most offloaded
+    optimizer when memory.offload_ratio is "auto"). `capacity`: plan_memory's, in place of this machine's."""
     trial = copy.deepcopy(cfg)
     trial.training.fp8 = "delayed"
     if trial.memory.offload_ratio == "auto":
@@ -158,12 +157,7 @@ def delayed_if_it_fits(cfg: Config, env: DistEnv, micro: int, accum: int, **capa
         model = Llama(model_args(trial))
     plan = plan_memory(model, trial, env.world_size, env.device, micro, accum, local_ranks=env.local_world_size,
                        **capacity)
-    fits = plan.gpu_fits and plan.host_fits
-    if env.world_size > 1:
-        agreed = torch.tensor([int(fits)], device=env.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        fits = bool(agreed.item())
-    if fits:
+    if plan.gpu_fits and plan.host_fits:
         return "delayed", "delayed scaling, whose casts fuse into the kernels that make the tensors"
     need, have, where = ((plan.gpu_need, plan.gpu_capacity, "GPU") if not plan.gpu_fits
                          else (plan.host_need, plan.host_capacity, "host"))
