@@ -24,14 +24,16 @@ def test_fp8_on_a_cpu_is_one_config_error_and_auto_says_why_it_is_off(tmp_path):
 def test_auto_takes_the_delayed_recipe_where_the_memory_plan_fits_it():
     """Where FP8 pays, auto takes the delayed recipe unless its FP8 transposes (5.9 GB more than tensorwise for the
     1.4b at micro-batch 8: 42.3 against 36.5 GB measured) overflow the GPU; then tensorwise, saying why."""
-    from holotrain.parallel import DistEnv
+    from holotrain.model import Llama
     from holotrain.plan.planner import job_config
-    from holotrain.train.resolve import delayed_if_it_fits
+    from holotrain.train.resolve import delayed_if_it_fits, model_args
 
     cfg = job_config("1.4b", [])
-    env = DistEnv(0, 1, 0, torch.device("cuda"))
-    assert delayed_if_it_fits(cfg, env, 8, 1, gpu_capacity=80e9, host_capacity=100e9)[0] == "delayed"
-    choice, why = delayed_if_it_fits(cfg, env, 8, 1, gpu_capacity=40e9, host_capacity=100e9)
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    cuda = torch.device("cuda")
+    assert delayed_if_it_fits(model, cfg, cuda, 8, 1, gpu_capacity=80e9, host_capacity=100e9)[0] == "delayed"
+    choice, why = delayed_if_it_fits(model, cfg, cuda, 8, 1, gpu_capacity=40e9, host_capacity=100e9)
     assert choice == "tensorwise" and "would need 42." in why and "40.0 GB available" in why, why
     assert cfg.training.fp8 == "none", "the job's own config is not changed"
 

@@ -4,7 +4,7 @@ reads its own section of; nothing changes it afterwards, and it is what the run 
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -139,24 +139,21 @@ def _resolve_fp8(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
         if choice != "none" and not on.item():
             choice, reason = "none", "FP8 does not pay on another rank's GPU"
     if choice == "tensorwise" and env.world_size == 1:
-        choice, why = delayed_if_it_fits(cfg, env, micro, accum)
+        choice, why = delayed_if_it_fits(model, cfg, env.device, micro, accum)
         reason = f"{reason}; {why}"
     t.fp8 = choice
     if env.is_main:
         print(f"holotrain: training.fp8 = auto -> {choice} ({reason})")
 
 
-def delayed_if_it_fits(cfg: Config, env: DistEnv, micro: int, accum: int, **capacity) -> tuple[str, str]:
-    """("delayed" or "tensorwise", why), by the memory plan at the job's settings on one GPU (its most offloaded
-    optimizer when memory.offload_ratio is "auto"). `capacity`: plan_memory's, in place of this machine's."""
-    trial = copy.deepcopy(cfg)
-    trial.training.fp8 = "delayed"
-    if trial.memory.offload_ratio == "auto":
-        trial.memory.offload_ratio = 1.0
-    with torch.device("meta"):
-        model = Llama(model_args(trial))
-    plan = plan_memory(model, trial, env.world_size, env.device, micro, accum, local_ranks=env.local_world_size,
-                       **capacity)
+def delayed_if_it_fits(model: Llama, cfg: Config, device: torch.device, micro: int, accum: int,
+                       **capacity) -> tuple[str, str]:
+    """("delayed" or "tensorwise", why), by the memory plan of the job on one GPU with the delayed recipe (its most
+    offloaded optimizer when memory.offload_ratio is "auto"). `capacity`: plan_memory's, in place of this
+    machine's."""
+    trial = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, fp8="delayed"))
+    ratio = 1.0 if cfg.memory.offload_ratio == "auto" else None
+    plan = plan_memory(model, trial, 1, device, micro, accum, ratio=ratio, local_ranks=1, **capacity)
     if plan.gpu_fits and plan.host_fits:
         return "delayed", "delayed scaling, whose casts fuse into the kernels that make the tensors"
     need, have, where = ((plan.gpu_need, plan.gpu_capacity, "GPU") if not plan.gpu_fits
