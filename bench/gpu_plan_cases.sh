@@ -10,7 +10,8 @@
 #          the same setting with offload switched off (the command line wins over the plan), STEPS steps each (the
 #          target: >= 0.90x of no offload)
 #   bd     the 7B under hw.gpu_memory_gb=24 with memory.offload_delayed_update=true: planned, then the planned
-#          setting trained STEPS steps with and without the delayed update (the target: >= 40% MFU)
+#          setting trained STEPS steps with and without the delayed update (the target: >= 40% MFU); BATCH=12
+#          sets the batch (the shipped config's is 8)
 # Usage (repo root, on the GPU machine): bash bench/gpu_plan_cases.sh OUT_DIR PART [WHERE] [STEPS]
 set -uo pipefail
 out=${1:?output directory}; part=${2:?a, b, c, off16 or bd}; where=${3:-}; steps=${4:-40}
@@ -46,7 +47,7 @@ print(f"tokens/s over steps 11+: planned (offload held) {rates['off16-planned']:
 PY
     ;;
   bd)
-    job=(--config offload --hw.gpu_memory_gb=24)
+    job=(--config offload --hw.gpu_memory_gb=24 ${BATCH:+--training.batch_size=$BATCH})
     s=$SECONDS
     python3 -m holotrain.cli plan "${job[@]}" --memory.offload_delayed_update=true --out "$out/bd-plan" \
       "${quiet[@]}" > "$out/bd-plan.log" 2>&1
