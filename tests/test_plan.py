@@ -221,6 +221,11 @@ def test_settings_given_on_the_command_line_are_kept_by_the_plan():
     two = enumerate_candidates(cfg, gpu, ranks=2)  # FSDP2 lands once per step: accumulation is fine
     assert two and all(c.settings["memory.offload"] and c.settings["parallel.tp"] == 1 for c in two)
     assert any(c.accum > 1 for c in two)
+    # A batch that is not a power of two: every divisor is a micro-batch, so the delayed update has its one.
+    cfg = job_config("offload", ["--memory.offload_delayed_update=true", "--training.batch_size=12"])
+    assert {c.micro for c in enumerate_candidates(cfg, gpu)} == {12}
+    cfg = job_config("offload", ["--training.batch_size=12"])
+    assert {c.micro for c in enumerate_candidates(cfg, gpu)} == {1, 2, 3, 4, 6, 12}
 
 
 def test_a_held_setting_no_candidate_has_is_one_error(tmp_path):

@@ -141,6 +141,9 @@ def checkpointing_choices(n_layers: int) -> list[tuple[str, int]]:
             + [("full", b) for b in some if b != n_layers // 2])
 
 
+MAX_MICRO = 128  # the largest micro-batch tried; every divisor of the batch up to it is one (12: 1, 2, 3, 4, 6, 12)
+
+
 def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[Candidate]:
     t = cfg.training
     gpu = machine.device == "cuda"
@@ -176,7 +179,7 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
         if t.batch_size % dp:
             continue
         per_rank = t.batch_size // dp
-        for micro in (m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= per_rank and per_rank % m == 0):
+        for micro in (m for m in range(1, min(per_rank, MAX_MICRO) + 1) if per_rank % m == 0):
             if chunk and micro * cfg.data.seq_len <= chunk:
                 continue  # a micro-batch of one piece: the same step as the unchunked loss
             if delayed and dp == 1 and micro != per_rank:
