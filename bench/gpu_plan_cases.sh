@@ -11,7 +11,7 @@
 #          target: >= 0.90x of no offload)
 #   bd     the 7B under hw.gpu_memory_gb=24 with memory.offload_delayed_update=true: planned, then the planned
 #          setting trained STEPS steps with and without the delayed update (the target: >= 40% MFU); BATCH=12
-#          sets the batch (the shipped config's is 8)
+#          sets the batch (the shipped config's is 8); RUNS="delayed" trains only the first
 # Usage (repo root, on the GPU machine): bash bench/gpu_plan_cases.sh OUT_DIR PART [WHERE] [STEPS]
 set -uo pipefail
 out=${1:?output directory}; part=${2:?a, b, c, off16 or bd}; where=${3:-}; steps=${4:-40}
@@ -52,7 +52,7 @@ PY
     python3 -m holotrain.cli plan "${job[@]}" --memory.offload_delayed_update=true --out "$out/bd-plan" \
       "${quiet[@]}" > "$out/bd-plan.log" 2>&1
     echo "== plan: rc $? in $(( SECONDS - s )) s"; grep -v -i warn "$out/bd-plan.log" | tail -4
-    for run in delayed ordinary; do
+    for run in ${RUNS:-delayed ordinary}; do
       on=true; [ $run = ordinary ] && on=false
       python3 -m holotrain.cli train "${job[@]}" --plan "$out/bd-plan/plan.toml" --memory.offload_delayed_update=$on \
         "${quiet[@]}" --training.steps="$steps" --checkpoint.save_final=false --job.run_dir=/tmp/bd-$run \
