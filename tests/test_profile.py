@@ -96,3 +96,31 @@ def test_gc_clock_times_collections_and_the_freeze_is_undone():
         gc.enable()
         clock.close()
     assert clock._on_gc not in gc.callbacks
+
+
+def test_compile_clock_times_compilations_and_trials_leave_them_out():
+    """host.compile_s counts torch.compile's time in the interval it happened (a new shape compiles again); a
+    planner trial's step time leaves that time out, since the run pays it once."""
+    import torch
+
+    from holotrain.plan.trials import steady_step_s
+    from holotrain.profile.compile_clock import CompileClock
+    from torch._dynamo.callback import callback_handler
+
+    torch._dynamo.reset()
+    clock = CompileClock()
+    try:
+        f = torch.compile(lambda x: (x * 2).sin(), backend="eager", dynamic=False)
+        f(torch.ones(3))
+        first = clock.collect(1)["host.compile_s"]
+        f(torch.ones(3))
+        assert first > 0 and clock.collect(1) == {"host.compile_s": 0.0}
+        f(torch.ones(2, 3))  # another rank: compiled again
+        assert clock.collect(2)["host.compile_s"] > 0
+    finally:
+        clock.close()
+        torch._dynamo.reset()
+    assert clock._on_start not in callback_handler.start_callbacks and clock._on_end not in callback_handler.end_callbacks
+    rows = [{"step": 5, "step_s": 1.75}, {"step": 6, "step_s": 26.2, "host.compile_s": 24.4},
+            {"step": 7, "step_s": 1.8, "host.compile_s": 0.0}, {"step": 8, "step_s": 1.85}]
+    assert abs(steady_step_s(rows) - 1.8) < 1e-9

@@ -51,6 +51,20 @@ def _mean(values: list[float | None]) -> float | None:
 _MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def timed_rows(rows: list[dict], steps: int) -> list[dict]:
+    """The later half of a trial's per-step rows, and never the first two: the data plane may still be filling its
+    caches."""
+    return [r for r in rows if r["step"] > max(_UNTIMED, steps // 2)] or rows[-1:]
+
+
+def steady_step_s(timed: list[dict]) -> float | None:
+    """The mean step time of these rows, not the median: the rate the run gets, slow steps included (an offload
+    step rolled back after a clip, a loader tokenizing its next chunk on the cores a CPU run trains on). Time spent
+    compiling (the blocks' variant for masked micro-batches, when the first one comes) is paid once per run: left
+    out."""
+    return _mean([r["step_s"] - (r.get("host.compile_s") or 0.0) for r in timed if r.get("step_s") is not None])
+
+
 def run_trial(config: str | None, overrides: list[str], settings: dict, steps: int, run_dir: Path,
               timeout_s: float, ranks: int = 1) -> Measured:
     """Trains `steps` steps of the job with `settings` ("section.key" -> value) in `run_dir` (removed after), on
@@ -77,11 +91,8 @@ def run_trial(config: str | None, overrides: list[str], settings: dict, steps: i
         return Measured(None, None, None, None, None, None, f"did not finish within {timeout_s:.0f} s")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    # The later half of the steps, and never the first two: the data plane may still be filling its caches. Their
-    # mean, not the median: the rate the run gets, slow steps included (an offload step rolled back after a clip,
-    # a loader tokenizing its next chunk on the cores a CPU run trains on).
-    timed = [r for r in rows if r["step"] > max(_UNTIMED, steps // 2)] or rows[-1:]
-    step_s = _mean([r.get("step_s") for r in timed])
+    timed = timed_rows(rows, steps)
+    step_s = steady_step_s(timed)
     peaks = [r.get("mem.peak_gb") or r.get("mem.host_rss_gb") for r in rows]
     tokens = rows[-1]["tokens"] / rows[-1]["step"]
     return Measured(step_s, tokens / step_s if step_s else None, max((p for p in peaks if p), default=None),

@@ -8,6 +8,7 @@ import gc
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from holotrain.profile.compile_clock import CompileClock
 from holotrain.profile.gc_clock import FULL_EVERY_STEPS, GcClock, freeze_long_lived, stop_full_collections, thaw
 from holotrain.profile.goodput import Goodput
 from holotrain.profile.metrics import MetricsLogger
@@ -27,6 +28,7 @@ class Profiler:
         self.tracer = StepTracer(section.trace_steps, run_dir, env.rank, section.trace_max_mb, env.device.type == "cuda")
         self.goodput = Goodput()  # the whole process's wall time, accounted
         self.gc = GcClock()  # host.gc_s: the interpreter's collections, which stall the launch of GPU work
+        self.compiling = CompileClock()  # host.compile_s: torch.compile's time, mostly the first step's
         self._gc_thresholds: tuple[int, ...] | None = None  # the interpreter's, while the trainer collects itself
         self._refreeze = False
 
@@ -56,15 +58,17 @@ class Profiler:
             self.clock.add(phase, seconds)
 
     def metrics(self, steps: int) -> dict:
-        """time.* per step since the last call (after the device is synchronized), and host.gc_s."""
+        """time.* per step since the last call (after the device is synchronized), host.gc_s and host.compile_s."""
         if self._refreeze:
             freeze_long_lived()
             self._refreeze = False
-        return {**(self.clock.collect(steps) if self.clock is not None else {}), **self.gc.collect(steps)}
+        return {**(self.clock.collect(steps) if self.clock is not None else {}), **self.gc.collect(steps),
+                **self.compiling.collect(steps)}
 
     def close(self) -> None:
         self.tracer.close()
         self.gc.close()
+        self.compiling.close()
         thaw(self._gc_thresholds)
         self._gc_thresholds = None
 
