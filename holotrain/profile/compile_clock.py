@@ -1,8 +1,8 @@
 """Time spent compiling (`host.compile_s` per step): torch.compile's frames, and the backward graphs it compiles
 when a backward first runs. Most of it falls in the first step, but a later step can compile too: a micro-batch
 with documents to mask needs the blocks' second variant (per-token positions, a block mask) when the first such
-batch arrives, which on the H200 held a 7B's step 6 for 24 s with a cold compile cache. The planner's trials
-leave this time out of the step they measure: it is paid once per run, not per step."""
+batch arrives, which with a cold compile cache can take a large model's step ten times as long. The planner's
+trials leave this time out of the step they measure: it is paid once per run, not per step."""
 
 from __future__ import annotations
 
