@@ -5,10 +5,11 @@
 # fused head under "pointwise" activation checkpointing (its loss in pieces automatically); pw8 and pw8-whole:
 # "pointwise" on 8 of the 24 blocks with the loss in pieces (automatic) and whole (one piece larger than the batch),
 # which tells the pieces' share of "pointwise"'s cost; offload3: the fused head with the first 3 blocks' saved
-# tensors in host memory (memory.activation_offload_blocks); offload3-whole: the same with the whole loss at once.
+# tensors in host memory (memory.activation_offload_blocks); offload3-whole: the same with the whole loss at once;
+# moments: the whole loss with AdamW's moments in bf16 (memory.adamw_moments).
 # Usage (repo root, on the GPU machine): bash bench/gpu_head.sh OUT_DIR [STEPS] [RUNS]
-#   RUNS: space-separated names among whole fused fused-fp8 pointwise pw8 pw8-whole offload3 offload3-whole (default: the first
-#   four)
+#   RUNS: space-separated names among whole fused fused-fp8 pointwise pw8 pw8-whole offload3 offload3-whole moments
+#   (default: the first four)
 set -uo pipefail
 out=${1:?output directory}; steps=${2:-60}; runs=${3:-whole fused fused-fp8 pointwise}
 export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
@@ -18,7 +19,7 @@ train=(python3 -m holotrain.cli train --config 1.4b --training.batch_size=16 --t
 run() {  # name, extra args
   local name=$1; shift
   s=$SECONDS
-  timeout 200 "${train[@]}" --job.run_dir=/tmp/head-$name "$@" > "$out/$name.log" 2>&1
+  timeout $(( 150 + steps )) "${train[@]}" --job.run_dir=/tmp/head-$name "$@" > "$out/$name.log" 2>&1
   echo "== $name: rc $? in $(( SECONDS - s )) s"; grep -i "error\|holotrain: fp8\|activation offload" "$out/$name.log" | head -3
   cp /tmp/head-$name/metrics.jsonl "$out/$name.jsonl"; rm -rf /tmp/head-$name
 }
@@ -33,6 +34,7 @@ for name in $runs; do
     pw8-whole) run pw8-whole "${pw8[@]}" --memory.loss_chunk_tokens=1000000 ;;
     offload3) run offload3 --memory.loss_chunk_tokens=8192 --memory.activation_offload_blocks=3 ;;
     offload3-whole) run offload3-whole --memory.loss_chunk_tokens=0 --memory.activation_offload_blocks=3 ;;
+    moments) run moments --memory.loss_chunk_tokens=0 --memory.adamw_moments=bf16 ;;
     *) echo "unknown run $name"; exit 2 ;;
   esac
 done

@@ -11,7 +11,8 @@
 #          target: >= 0.90x of no offload)
 #   bd     the 7B under hw.gpu_memory_gb=24 with memory.offload_delayed_update=true: planned, then the planned
 #          setting trained STEPS steps with and without the delayed update (the target: >= 40% MFU); BATCH=12
-#          sets the batch (the shipped config's is 8); RUNS="delayed" trains only the first
+#          sets the batch (the shipped config's is 8); RUNS picks the runs among "delayed ordinary bf16" (bf16:
+#          the delayed update with training.fp8=none, the planned setting's bf16 neighbour)
 # Usage (repo root, on the GPU machine): bash bench/gpu_plan_cases.sh OUT_DIR PART [WHERE] [STEPS]
 set -uo pipefail
 out=${1:?output directory}; part=${2:?a, b, c, off16 or bd}; where=${3:-}; steps=${4:-40}
@@ -54,7 +55,9 @@ PY
     echo "== plan: rc $? in $(( SECONDS - s )) s"; grep -v -i warn "$out/bd-plan.log" | tail -4
     for run in ${RUNS:-delayed ordinary}; do
       on=true; [ $run = ordinary ] && on=false
+      fp8=(); [ $run = bf16 ] && fp8=(--training.fp8=none)
       python3 -m holotrain.cli train "${job[@]}" --plan "$out/bd-plan/plan.toml" --memory.offload_delayed_update=$on \
+        "${fp8[@]}" \
         "${quiet[@]}" --training.steps="$steps" --checkpoint.save_final=false --job.run_dir=/tmp/bd-$run \
         > "$out/bd-$run.log" 2>&1
       echo "== $run: rc $?"; cp /tmp/bd-$run/metrics.jsonl "$out/bd-$run.jsonl"; rm -rf /tmp/bd-$run
@@ -65,7 +68,7 @@ from pathlib import Path
 sys.path.insert(0, "bench")
 from checkpoint_summary import rows, run_line
 out = Path(sys.argv[1])
-for name in ("bd-delayed", "bd-ordinary"):
+for name in ("bd-delayed", "bd-ordinary", "bd-bf16"):
     if r := rows(out, name):
         print(run_line(name, r, 10, "time.offload_wait", "offload.release_wait_s", "offload.cpu_step_s"))
 PY

@@ -178,6 +178,7 @@ class MemoryConfig(_Section):
     # ZeRO-Offload's delayed parameter update (memory/offload/__init__.py; changes the optimization: never planned).
     # On one process it takes one micro-batch per step (the working weights change when a bucket's gradient lands).
     offload_delayed_update: bool = False
+    adamw_moments: str = "fp32"  # on the device: fp32 | bf16 (4 bytes a parameter less; optim/bf16_moments.py)
     check_fit: bool = True  # refuse, before training starts, a plan that cannot fit GPU or host memory
     # The head and the loss fused, in pieces of this many tokens (model/head.py: one piece's fp32 logits alive).
     # 0 = auto: 8192 with activation checkpointing (memory first), else the whole micro-batch at once.
@@ -563,22 +564,23 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
          f'memory.activation_checkpointing_blocks = {blocks} applies to "full" and "pointwise", not {ac!r} '
          '("selective" is "full" on every other block)')
     ratio = mem.offload_ratio
-    if isinstance(ratio, str) and ratio.strip().lower() != "auto":
-        try:
-            ratio = float(ratio)
-        except ValueError:
-            raise ConfigError(f'memory.offload_ratio must be a number in [0, 1] or "auto", got {ratio!r}') from None
-    if isinstance(ratio, str):
+    if isinstance(ratio, str) and ratio.strip().lower() == "auto":
         mem.offload_ratio = "auto"  # chosen with the memory plan when the model is built (train.trainer.build_model)
     else:
-        need(0.0 <= ratio <= 1.0, f"memory.offload_ratio must be in [0, 1], got {ratio}")
-        mem.offload_ratio = float(ratio)
+        try:
+            mem.offload_ratio = float(ratio)
+        except ValueError:
+            raise ConfigError(f'memory.offload_ratio must be a number in [0, 1] or "auto", got {ratio!r}') from None
+        need(0.0 <= mem.offload_ratio <= 1.0, f"memory.offload_ratio must be in [0, 1], got {ratio}")
     need(mem.offload_kernel in ("auto", "native", "torch"),
          f"memory.offload_kernel must be auto, native or torch, got {mem.offload_kernel!r}")
     need(mem.offload_threads >= 0, f"memory.offload_threads must be >= 0, got {mem.offload_threads}")
     need(mem.offload_gil_switch_ms >= 0, f"memory.offload_gil_switch_ms must be >= 0 (0 = Python's own), got "
          f"{mem.offload_gil_switch_ms}")
     need(mem.offload or not mem.offload_delayed_update, "memory.offload_delayed_update needs memory.offload = true")
+    need(mem.adamw_moments in ("fp32", "bf16"), f"memory.adamw_moments must be fp32 or bf16, got {mem.adamw_moments!r}")
+    need(not (mem.offload and mem.adamw_moments == "bf16"), "memory.adamw_moments = bf16 is for AdamW on the device; "
+         "memory.offload keeps the moments in host memory in fp32")
     need(mem.loss_chunk_tokens >= 0, f"memory.loss_chunk_tokens must be >= 0 (0 = auto), got {mem.loss_chunk_tokens}")
     need(0 <= mem.activation_offload_blocks <= m.n_layers, "memory.activation_offload_blocks must be between 0 and "
          f"model.n_layers = {m.n_layers}, got {mem.activation_offload_blocks}")
@@ -592,8 +594,6 @@ def batch_layout(cfg: Config, world_size: int) -> tuple[int, int]:
     t = cfg.training
     micro = t.micro_batch_size or t.batch_size // world_size
     if micro == 0 or t.batch_size % (micro * world_size) != 0:
-        raise ConfigError(
-            f"training.batch_size={t.batch_size} must be a multiple of "
-            f"training.micro_batch_size x world size ({micro or 1} x {world_size})"
-        )
+        raise ConfigError(f"training.batch_size={t.batch_size} must be a multiple of "
+                          f"training.micro_batch_size x world size ({micro or 1} x {world_size})")
     return micro, t.batch_size // (micro * world_size)

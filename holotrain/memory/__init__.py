@@ -32,7 +32,7 @@ def build_optimizer(model: nn.Module, section: MemoryConfig, hyper: AdamWHyper, 
         from holotrain.memory.offload import OffloadEngine
 
         return OffloadEngine(model, section, hyper, lr, env, compute_dtype, clock=clock)
-    return DeviceAdamW(model, hyper, lr, sharded=env.world_size > 1, clock=clock)
+    return DeviceAdamW(model, hyper, lr, sharded=env.world_size > 1, clock=clock, moments=section.adamw_moments)
 
 
 class Memory:

@@ -9,7 +9,7 @@ the most time to update them. Parameters of fewer than 2 dimensions (norm weight
 always stay with the GPU optimizer: they are too small to be worth a transfer.
 
 Bytes per parameter (AdamW, fp32 master weights and moments):
-  no offload, GPU      16 (fp32 weight 4, fp32 gradient 4, two moments 8)
+  no offload, GPU      16 (fp32 weight 4, fp32 gradient 4, two moments 8; 4 with memory.adamw_moments = "bf16")
   offloaded, GPU        2 bf16 working weight (one GPU); 4 fp32 shard (FSDP2, divided over the ranks)
   offloaded, host      12 (fp32 master 4, moments 8) + the gradient staging buffer in the working dtype (pinned)
                         + 4 for the fp32 accumulator when one GPU accumulates gradients over micro-batches
@@ -313,6 +313,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     elem = 2 if bf16 else 4
     working = 2 if (cuda and world_size == 1 and bf16) else 4  # bytes of an offloaded parameter's working copy
     per_rank = 1 / world_size
+    moments = 4 if mem.adamw_moments == "bf16" else 8  # bytes of a device parameter's two AdamW moments
     local_ranks = local_ranks or world_size
     block_weights = sum(p.numel() for u in units if u.name.startswith("layers.") and u.name not in cpu_units
                         for _, p in u.params) * per_rank
@@ -329,7 +330,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     if cuda:
         if n_cpu:
             gpu["working weights of offloaded parameters"] = n_cpu * per_rank * (working if world_size == 1 else 8)
-        gpu["fp32 weights and AdamW moments kept on the GPU"] = n_dev * per_rank * 12
+        gpu["fp32 weights and AdamW moments kept on the GPU"] = n_dev * per_rank * (4 + moments)
         # The peak comes at one of two moments: at the loss, with every activation held (and the gradients of
         # the micro-batches before when they accumulate), or at the end of backward, with every gradient.
         grads = n_dev * per_rank * 4
@@ -357,7 +358,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
                 if build_peak > offloaded_host + upload_slots:
                     host["model built in fp32 on the host (start-up peak)"] = build_peak - offloaded_host - upload_slots
     else:
-        host["weights, gradients and AdamW"] = n_dev * per_rank * 16
+        host["weights, gradients and AdamW"] = n_dev * per_rank * (8 + moments)
         host["activations (estimate)"] = acts.peak + acts.offloaded
         if mem.offload:
             host_per_param["working weight"] = working

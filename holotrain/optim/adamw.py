@@ -89,8 +89,8 @@ def fused_adamw(params: Iterable[nn.Parameter], lr: float, hyper: AdamWHyper) ->
                              fused=True)
 
 
-def step_clipped(optimizer: torch.optim.AdamW, norm: torch.Tensor, clip: float) -> None:
-    """One fused AdamW step with the clip folded into the kernel: it divides each gradient by grad_scale as it reads
+def step_clipped(optimizer: torch.optim.Optimizer, norm: torch.Tensor, clip: float) -> None:
+    """One fused AdamW step (torch's, or bf16_moments.py's) with the clip folded into the kernel: it divides each gradient by grad_scale as it reads
     it, which saves a read-modify-write pass over all gradients; a non-finite norm skips the step (found_inf).
     Only for plain tensors: DTensor gradients (FSDP2) take clip_grad_norm_ instead."""
     optimizer.grad_scale = torch.clamp(norm / clip, min=1.0)
@@ -100,11 +100,19 @@ def step_clipped(optimizer: torch.optim.AdamW, norm: torch.Tensor, clip: float) 
 
 
 class DeviceAdamW:
-    """Fused AdamW over every parameter of the model, where the parameters live (GPU, or the CPU in tests)."""
+    """AdamW over every parameter of the model, where the parameters live (GPU, or the CPU in tests): torch's fused
+    kernel with fp32 moments, or with `moments` = "bf16" optim/bf16_moments.py's."""
 
-    def __init__(self, model: nn.Module, hyper: AdamWHyper, lr: float, sharded: bool, clock=None):
+    def __init__(self, model: nn.Module, hyper: AdamWHyper, lr: float, sharded: bool, clock=None,
+                 moments: str = "fp32"):
         self.model, self.hyper, self.clock = model, hyper, clock
-        self.optimizer = fused_adamw(model.parameters(), lr, hyper)
+        if moments == "bf16":
+            from holotrain.optim.bf16_moments import AdamWBf16Moments
+
+            self.optimizer = AdamWBf16Moments(param_groups(model.parameters(), hyper.weight_decay), lr, hyper.betas,
+                                              hyper.eps)
+        else:
+            self.optimizer = fused_adamw(model.parameters(), lr, hyper)
         # One process: the clip goes into the fused kernel. FSDP2's DTensor gradients take the plain path.
         self.fold_clip = not sharded
 

@@ -1,0 +1,167 @@
+"""memory.adamw_moments = "bf16": AdamW with its moments stored in bf16, stochastically rounded
+(holotrain/optim/bf16_moments.py), on the CPU's reference path and, with a GPU, its Triton kernel."""
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from holotrain.optim.bf16_moments import AdamWBf16Moments, reference_update, round_bf16_stochastic
+from holotrain.train.checkpoint import latest_checkpoint
+from tests.conftest import read_metrics, run_cli, tiny_args
+
+
+def test_stochastic_rounding_is_unbiased_and_keeps_bf16_values():
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 1 << 16, (100_000,), generator=gen, dtype=torch.int32)
+    for value in (1 + 2 ** -10, -(3 + 2 ** -9), 1e-20 * (1 + 2 ** -11)):
+        x = torch.full((100_000,), value)
+        rounded = round_bf16_stochastic(x, noise).float()
+        below, above = sorted({v.item() for v in rounded.unique()})  # only the two neighbours occur
+        assert below < value < above
+        assert rounded.mean().item() == pytest.approx(value, rel=2e-5)  # unbiased
+    exact = torch.tensor([1.0, -2.5, 0.0, 2.0 ** 127])
+    assert torch.equal(round_bf16_stochastic(exact, noise[:4]).float(), exact)
+
+
+def _pair(seed=0, shape=(48, 40)):
+    torch.manual_seed(seed)
+    w = torch.randn(shape)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    return w, a, b, torch.optim.AdamW([a], foreach=False, **hyper), AdamWBf16Moments([b], **hyper)
+
+
+def test_the_step_is_adamws_and_honours_the_clip_and_a_skipped_step():
+    w, a, b, fp32, bf16 = _pair()
+    for _ in range(40):
+        g = torch.randn_like(w)
+        a.grad, b.grad = g.clone(), g.clone()
+        fp32.step()
+        bf16.step()
+    moved = (a - w).abs().mean()
+    assert (a - b).abs().max() < 0.03 * moved  # the rounded moments stay close to fp32's
+    assert bf16.state[b]["exp_avg"].dtype == torch.bfloat16 and bf16.state[b]["step"].item() == 40
+
+    # The clip's divisor, read with each gradient: a doubled gradient with grad_scale 2 is the same step.
+    _, _, b1, _, one = _pair(1)
+    _, _, b2, _, two = _pair(1)
+    b1.grad = torch.randn_like(b1)
+    b2.grad = 2 * b1.grad
+    two.grad_scale = torch.tensor(2.0)
+    one.step()
+    two.step()
+    assert torch.equal(b1, b2)
+    assert torch.equal(one.state[b1]["exp_avg_sq"], two.state[b2]["exp_avg_sq"])
+
+    # found_inf: weights, moments and step count untouched.
+    before = b2.detach().clone(), two.state[b2]["exp_avg"].clone(), two.state[b2]["step"].clone()
+    two.found_inf = torch.tensor(1.0)
+    b2.grad = torch.full_like(b2, float("nan"))
+    two.step()
+    after = b2.detach(), two.state[b2]["exp_avg"], two.state[b2]["step"]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_a_state_from_fp32_adamw_loads_in_bf16_and_back():
+    w, a, b, fp32, bf16 = _pair()
+    a.grad = torch.randn_like(w)
+    fp32.step()
+    bf16.load_state_dict(fp32.state_dict())
+    assert bf16.state[b]["exp_avg"].dtype == torch.bfloat16
+    assert torch.allclose(bf16.state[b]["exp_avg"].float(), fp32.state[a]["exp_avg"], rtol=1e-2)
+    b.grad = torch.randn_like(w)
+    bf16.step()
+    assert bf16.state[b]["step"].item() == 2
+    fp32.load_state_dict(bf16.state_dict())
+    assert fp32.state[a]["exp_avg"].dtype == torch.float32
+
+
+def _moment_dtypes(run_dir) -> set:
+    meta = FileSystemReader(latest_checkpoint(run_dir)).read_metadata()
+    return {m.properties.dtype for key, m in meta.state_dict_metadata.items() if key.endswith(("exp_avg", "exp_avg_sq"))}
+
+
+def test_training_with_bf16_moments_follows_fp32_and_resumes_exactly_and_across_the_setting(tmp_path):
+    common = {"training.steps": 9, "checkpoint.every": 3}
+    bf16 = {**common, "memory.adamw_moments": "bf16"}
+    run_cli("train", *tiny_args(tmp_path / "fp32", **common))
+    run_cli("train", *tiny_args(tmp_path / "bf16", **bf16))
+    full, low = read_metrics(tmp_path / "fp32"), read_metrics(tmp_path / "bf16")
+    assert [r["loss"] for r in full] != [r["loss"] for r in low]  # the bf16 moments really ran
+    for a, b in zip(full, low):
+        assert b["loss"] == pytest.approx(a["loss"], rel=0.01)
+    assert _moment_dtypes(tmp_path / "bf16") == {torch.bfloat16}
+
+    # Killed while saving step 6: the run resumes from step 3 and draws the same rounding as the straight run.
+    killed = tmp_path / "killed"
+    proc = run_cli("train", *tiny_args(killed, **bf16), env={"HOLOTRAIN_KILL_DURING_SAVE": "6"}, check=False)
+    assert proc.returncode == -9
+    run_cli("train", *tiny_args(killed, **bf16))
+    assert [r["loss"] for r in read_metrics(killed)] == [r["loss"] for r in low]
+
+    # Each run goes on with the other setting.
+    proc = run_cli("train", *tiny_args(tmp_path / "bf16", **{**common, "training.steps": 12}))
+    assert "resuming from" in proc.stdout and _moment_dtypes(tmp_path / "bf16") == {torch.float32}
+    proc = run_cli("train", *tiny_args(tmp_path / "fp32", **{**bf16, "training.steps": 12}))
+    assert "resuming from" in proc.stdout and _moment_dtypes(tmp_path / "fp32") == {torch.bfloat16}
+    assert [r["step"] for r in read_metrics(tmp_path / "fp32")] == list(range(1, 13))
+
+
+def test_bf16_moments_with_offload_is_one_config_error(tmp_path):
+    from tests.conftest import run_cli_here
+
+    proc = run_cli_here("train", *tiny_args(tmp_path, **{"memory.adamw_moments": "bf16", "memory.offload": True}))
+    assert proc.returncode == 2 and "memory.adamw_moments" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_memory_plan_counts_four_bytes_a_parameter_less():
+    from holotrain.memory import plan
+    from holotrain.model import Llama
+    from holotrain.plan.planner import job_config
+    from holotrain.train.resolve import model_args
+
+    sizes = {}
+    for moments in ("fp32", "bf16"):
+        cfg = job_config("1.4b", [f"--memory.adamw_moments={moments}"])
+        with torch.device("meta"):
+            model = Llama(model_args(cfg))
+        p = plan.plan_memory(model, cfg, 1, torch.device("cuda"), 16, 1, gpu_capacity=200e9, host_capacity=500e9)
+        sizes[moments] = p.gpu_need
+    n = sum(q.numel() for q in model.parameters())
+    assert sizes["fp32"] - sizes["bf16"] == pytest.approx(4 * n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a GPU")
+def test_the_kernel_matches_the_reference_on_the_gpu():
+    """Many tensors of odd sizes in one launch (a norm's, a block's, one that ends mid-block): from the same state,
+    the weights as the torch reference computes them and each moment the same or one bf16 step away (the random
+    bits differ); the clip's divisor and a skipped step as on the CPU."""
+    torch.manual_seed(0)
+    shapes = [(7,), (2048,), (300, 77), (4096, 513), (1,)]
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    opt = AdamWBf16Moments(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(1, 4):
+        grads = [torch.randn_like(p) for p in params]
+        ref = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+               if opt.state[p] else (p.detach().clone(), torch.zeros_like(p, dtype=torch.bfloat16),
+                                     torch.zeros_like(p, dtype=torch.bfloat16)) for p in params]
+        for param, g in zip(params, grads):
+            param.grad = 3 * g
+        opt.grad_scale = torch.tensor(3.0, device="cuda")
+        opt.step()
+        for i, (param, (p, m, v), g) in enumerate(zip(params, ref, grads)):
+            reference_update(p, g, m, v, step, i, 0, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0)
+            torch.testing.assert_close(param.detach(), p, rtol=1e-5, atol=1e-6)
+            for key, expected in (("exp_avg", m), ("exp_avg_sq", v)):
+                got = opt.state[param][key].float()
+                ulp = expected.float().abs().clamp_min(1e-30) * 2 ** -7
+                assert ((got - expected.float()).abs() <= ulp * 1.01).all(), (shapes[i], key)
+            assert opt.state[param]["step"].item() == step
+    opt.found_inf = torch.tensor(1.0, device="cuda")
+    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone()) for p in params]
+    for param in params:
+        param.grad = torch.full_like(param, float("nan"))
+    opt.step()
+    for param, (w, m) in zip(params, before):
+        assert torch.equal(param.detach(), w) and torch.equal(opt.state[param]["exp_avg"], m)
+        assert opt.state[param]["step"].item() == 3
