@@ -150,12 +150,18 @@ def test_the_kernel_matches_the_reference_on_the_gpu():
         opt.grad_scale = torch.tensor(3.0, device="cuda")
         opt.step()
         for i, (param, (p, m, v), g) in enumerate(zip(params, ref, grads)):
+            exact = {"exp_avg": m.float().lerp(g, 0.1), "exp_avg_sq": v.float() * 0.95 + 0.05 * g * g}
+            # Where m + 0.1 (g - m) cancels to almost nothing, fp32's own rounding (its order differs between the
+            # kernel and torch) is larger than bf16's step at the result.
+            slack = 2 ** -21 * (m.float().abs() + g.abs())
             reference_update(p, g, m, v, step, i, 0, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0)
             torch.testing.assert_close(param.detach(), p, rtol=1e-5, atol=1e-6)
-            for key, expected in (("exp_avg", m), ("exp_avg_sq", v)):
+            for key, x in exact.items():
                 got = opt.state[param][key].float()
-                ulp = expected.float().abs().clamp_min(1e-30) * 2 ** -7
-                assert ((got - expected.float()).abs() <= ulp * 1.01).all(), (shapes[i], key)
+                ulp = torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 8)  # bf16's step at x
+                off = ((got - x).abs() - slack).clamp_min(0) / ulp
+                worst = off.flatten().argmax()
+                assert off.max() < 1.0001, (shapes[i], key, step, x.flatten()[worst].item(), got.flatten()[worst].item())
             assert opt.state[param]["step"].item() == step
     opt.found_inf = torch.tensor(1.0, device="cuda")
     before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone()) for p in params]

@@ -35,7 +35,7 @@ def _adamw_bf16(table, grads, numels, block_tensor, block_index, grad_scale, fou
     g_ptr = tl.multiple_of(tl.load(grads + t).to(tl.pointer_type(tl.float32)), 16)
 
     offs = tl.load(block_index + pid) * BLOCK + tl.arange(0, BLOCK)
-    mask = (offs < n) & (tl.load(found_inf) == 0)
+    mask = offs < tl.where(tl.load(found_inf) == 0, n, 0)  # a skipped step touches nothing
     p = tl.load(p_ptr + offs, mask=mask)
     g = tl.load(g_ptr + offs, mask=mask) / tl.load(grad_scale)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
