@@ -16,8 +16,11 @@ export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
 train=(python3 -m holotrain.cli train --config 1.4b --training.batch_size=16 --training.steps="$steps"
        --profile.progress=false --profile.report=false --profile.tensorboard=false --checkpoint.every=0
        --checkpoint.save_final=false)
-run() {  # name, extra args
-  local name=$1; shift
+tags=()
+run() {  # name, extra args; a name given again is logged as NAME-2, NAME-3, ...
+  local name=$1 i=2; shift
+  local base=$name; while [ -e "$out/$name.jsonl" ]; do name=$base-$i; i=$(( i + 1 )); done
+  tags+=("$name")
   s=$SECONDS
   timeout $(( 150 + steps )) "${train[@]}" --job.run_dir=/tmp/head-$name "$@" > "$out/$name.log" 2>&1
   echo "== $name: rc $? in $(( SECONDS - s )) s"; grep -i "error\|holotrain: fp8\|activation offload" "$out/$name.log" | head -3
@@ -38,7 +41,7 @@ for name in $runs; do
     *) echo "unknown run $name"; exit 2 ;;
   esac
 done
-python3 - "$out" $runs <<'PY'
+python3 - "$out" "${tags[@]}" <<'PY'
 import sys
 from pathlib import Path
 sys.path.insert(0, "bench")

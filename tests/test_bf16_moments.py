@@ -134,8 +134,8 @@ def test_the_memory_plan_counts_four_bytes_a_parameter_less():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a GPU")
 def test_the_kernel_matches_the_reference_on_the_gpu():
     """Many tensors of odd sizes in one launch (a norm's, a block's, one that ends mid-block): from the same state,
-    the weights as the torch reference computes them and each moment the same or one bf16 step away (the random
-    bits differ); the clip's divisor and a skipped step as on the CPU."""
+    the weights and moments as the torch reference computes them (the same random bits), each moment one of the two
+    bf16 values around its exact fp32 value; the clip's divisor and a skipped step as on the CPU."""
     torch.manual_seed(0)
     shapes = [(7,), (2048,), (300, 77), (4096, 513), (1,)]
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
@@ -162,6 +162,9 @@ def test_the_kernel_matches_the_reference_on_the_gpu():
                 off = ((got - x).abs() - slack).clamp_min(0) / ulp
                 worst = off.flatten().argmax()
                 assert off.max() < 1.0001, (shapes[i], key, step, x.flatten()[worst].item(), got.flatten()[worst].item())
+            # The same random bits as the reference: the same moments, but where fp32's rounding differs.
+            assert (opt.state[param]["exp_avg"] == m).float().mean() > 0.999
+            assert (opt.state[param]["exp_avg_sq"] == v).float().mean() > 0.999
             assert opt.state[param]["step"].item() == step
     opt.found_inf = torch.tensor(1.0, device="cuda")
     before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone()) for p in params]

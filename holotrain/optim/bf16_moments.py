@@ -4,7 +4,8 @@ The weights and gradients stay fp32 and the update is computed in fp32; only the
 stochastically: each is rounded up with probability equal to its distance from the bf16 value below, so the
 rounding is unbiased and small increments survive on average. Round-to-nearest would freeze the second moment
 wherever (1 - beta2) * (g^2 / v - 1) stays under half a bf16 ulp (2^-9): with beta2 = 0.999 that is most of the
-time. The random bits come from the parameter's step count and its index, so a resumed run draws the same ones.
+time. The random bits come from the parameter's step count and its index (a hash, mix32), so a resumed run
+draws the same ones, and the CPU's path the same as the GPU's.
 
 On CUDA one Triton kernel per parameter group updates every tensor (optim/bf16_moments_kernel.py: a table of
 pointers, one launch); elsewhere the same arithmetic runs per tensor in torch ops, which the GPU test compares the
@@ -39,6 +40,35 @@ def stream_key(step: int, index: int, seed: int) -> int:
     return (seed + step * TENSORS_PER_STEP + index) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+_M32 = 0xFFFF_FFFF
+
+
+def _mul32(a, b: int):
+    """a * b mod 2^32, for a < 2^32 (int or int64 tensor) without overflowing int64."""
+    return (a * (b & 0xFFFF) + (((a * (b >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(h):
+    """MurmurHash3's 32-bit finalizer: a bijection whose output bits each depend on every input bit. The random
+    bits of element i of a stream are mix32(i + stream(key)): cheap enough to draw two per value in the kernel,
+    where Philox's ten rounds cost more than the update itself."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def stream(key: int) -> int:
+    """The 64-bit stream key folded to the 32 bits added to each element's index."""
+    return mix32((key & _M32) ^ mix32(key >> 32))
+
+
+def random_bits(numel: int, key: int, device) -> torch.Tensor:
+    """The 32 random bits of each of `numel` values of stream `key` (int64, in [0, 2^32)): as the kernel draws them."""
+    return mix32((torch.arange(numel, dtype=torch.int64, device=device) + stream(key)) & _M32)
+
+
 def reference_update(p, g, m, v, step: float, index: int, seed: int, lr: float, beta1: float, beta2: float,
                      eps: float, weight_decay: float, grad_scale: float) -> None:
     """One tensor's AdamW step in torch ops, in place: `step` is its step count after this step."""
@@ -48,10 +78,9 @@ def reference_update(p, g, m, v, step: float, index: int, seed: int, lr: float, 
     bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
     p.mul_(1 - lr * weight_decay)
     p.addcdiv_(m32, v32.sqrt().div_(bias2 ** 0.5).add_(eps), value=-lr / bias1)
-    gen = torch.Generator(device=p.device).manual_seed(stream_key(int(step), index, seed))
-    noise = torch.randint(0, 1 << 16, (2, *p.shape), generator=gen, device=p.device, dtype=torch.int32)
-    m.copy_(round_bf16_stochastic(m32, noise[0]))
-    v.copy_(round_bf16_stochastic(v32, noise[1]))
+    bits = random_bits(p.numel(), stream_key(int(step), index, seed), p.device).view(p.shape)
+    m.copy_(round_bf16_stochastic(m32, bits & 0xFFFF))
+    v.copy_(round_bf16_stochastic(v32, bits >> 16))
 
 
 class AdamWBf16Moments(torch.optim.Optimizer):

@@ -21,40 +21,77 @@ BLOCK = 2048
 _ALIGN = 16  # bytes: every pointer is checked for it, so the kernel may load 16-byte vectors
 
 
+@triton.jit
+def _mix32(h):
+    # bf16_moments.mix32 on uint32 values (multiplication wraps at 2^32).
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, bound, scale, stream, lr, beta1, beta2, bias1, bias2, eps,
+            weight_decay, MASKED: tl.constexpr):
+    if MASKED:
+        mask = offs < bound
+        p = tl.load(p_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask)
+        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+    else:  # a whole block: no mask, so the loads and stores are 16-byte vectors
+        p = tl.load(p_ptr + offs)
+        g = tl.load(g_ptr + offs)
+        m = tl.load(m_ptr + offs).to(tl.float32)
+        v = tl.load(v_ptr + offs).to(tl.float32)
+    g = g / scale
+    m = m + (1 - beta1) * (g - m)
+    v = beta2 * v + (1 - beta2) * g * g
+    p = p * (1 - lr * weight_decay) - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
+    # Stochastic rounding to bf16 (bf16_moments.round_bf16_stochastic): the low 16 random bits for m, the high for v.
+    r = _mix32(offs.to(tl.uint32) + stream)
+    m_bits = (m.to(tl.int32, bitcast=True) + (r & 0xFFFF).to(tl.int32)) & -65536
+    v_bits = (v.to(tl.int32, bitcast=True) + (r >> 16).to(tl.int32)) & -65536
+    m = m_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    v = v_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    if MASKED:
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+    else:
+        tl.store(p_ptr + offs, p)
+        tl.store(m_ptr + offs, m)
+        tl.store(v_ptr + offs, v)
+
+
 @triton.jit(do_not_specialize=["seed", "lr", "weight_decay"])
 def _adamw_bf16(table, grads, numels, block_tensor, block_index, grad_scale, found_inf, seed, lr, beta1, beta2,
                 log_beta1, log_beta2, eps, weight_decay, STREAMS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)
-    n = tl.load(numels + t)
     row = table + t * 4
     p_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
     m_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.bfloat16)), 16)
     v_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.bfloat16)), 16)
     step = tl.load(tl.load(row + 3).to(tl.pointer_type(tl.float32)))
     g_ptr = tl.multiple_of(tl.load(grads + t).to(tl.pointer_type(tl.float32)), 16)
+    bound = tl.where(tl.load(found_inf) == 0, tl.load(numels + t), 0)  # a skipped step touches nothing
+    start = tl.load(block_index + pid) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
 
-    offs = tl.load(block_index + pid) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < tl.where(tl.load(found_inf) == 0, n, 0)  # a skipped step touches nothing
-    p = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask) / tl.load(grad_scale)
-    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
-
-    m = m + (1 - beta1) * (g - m)
-    v = beta2 * v + (1 - beta2) * g * g
+    # The random stream: bf16_moments.stream_key, folded to 32 bits as bf16_moments.stream does.
+    key = seed + step.to(tl.int64) * STREAMS + t
+    stream = _mix32((key & 0xFFFFFFFF).to(tl.uint32) ^ _mix32((key >> 32).to(tl.uint32)))
     bias1 = 1 - tl.exp(step * log_beta1)
     bias2 = 1 - tl.exp(step * log_beta2)
-    p = p * (1 - lr * weight_decay) - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
-    tl.store(p_ptr + offs, p, mask=mask)
-
-    # Stochastic rounding to bf16 (bf16_moments.round_bf16_stochastic): the low 16 random bits for m, the high for v.
-    key = seed + step.to(tl.int64) * STREAMS + t
-    r = tl.randint(key, offs).to(tl.int32, bitcast=True)
-    m_bits = (m.to(tl.int32, bitcast=True) + (r & 0xFFFF)) & -65536
-    v_bits = (v.to(tl.int32, bitcast=True) + ((r >> 16) & 0xFFFF)) & -65536
-    tl.store(m_ptr + offs, m_bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
-    tl.store(v_ptr + offs, v_bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+    scale = tl.load(grad_scale)
+    if start + BLOCK <= bound:
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, bound, scale, stream, lr, beta1, beta2, bias1, bias2, eps,
+                weight_decay, False)
+    elif start < bound:
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, bound, scale, stream, lr, beta1, beta2, bias1, bias2, eps,
+                weight_decay, True)
 
 
 def aligned(*tensors: torch.Tensor) -> bool:
