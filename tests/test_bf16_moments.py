@@ -81,16 +81,26 @@ def _moment_dtypes(run_dir) -> set:
     return {m.properties.dtype for key, m in meta.state_dict_metadata.items() if key.endswith(("exp_avg", "exp_avg_sq"))}
 
 
-def test_training_with_bf16_moments_follows_fp32_and_resumes_exactly_and_across_the_setting(tmp_path):
-    common = {"training.steps": 9, "checkpoint.every": 3}
-    bf16 = {**common, "memory.adamw_moments": "bf16"}
+COMMON = {"training.steps": 9, "checkpoint.every": 3}
+BF16 = {**COMMON, "memory.adamw_moments": "bf16"}
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    """A 9-step run with bf16 moments, checkpoints at 3, 6 and 9."""
+    run_dir = tmp_path_factory.mktemp("bf16")
+    run_cli("train", *tiny_args(run_dir, **BF16), env={"OMP_NUM_THREADS": "1"})
+    return run_dir
+
+
+def test_training_with_bf16_moments_follows_fp32_and_resumes_exactly_and_across_the_setting(bf16_run, tmp_path):
+    common, bf16 = COMMON, BF16
     run_cli("train", *tiny_args(tmp_path / "fp32", **common))
-    run_cli("train", *tiny_args(tmp_path / "bf16", **bf16))
-    full, low = read_metrics(tmp_path / "fp32"), read_metrics(tmp_path / "bf16")
+    full, low = read_metrics(tmp_path / "fp32"), read_metrics(bf16_run)
     assert [r["loss"] for r in full] != [r["loss"] for r in low]  # the bf16 moments really ran
     for a, b in zip(full, low):
         assert b["loss"] == pytest.approx(a["loss"], rel=0.01)
-    assert _moment_dtypes(tmp_path / "bf16") == {torch.bfloat16}
+    assert _moment_dtypes(bf16_run) == {torch.bfloat16}
 
     # Killed while saving step 6: the run resumes from step 3 and draws the same rounding as the straight run.
     killed = tmp_path / "killed"
@@ -100,11 +110,26 @@ def test_training_with_bf16_moments_follows_fp32_and_resumes_exactly_and_across_
     assert [r["loss"] for r in read_metrics(killed)] == [r["loss"] for r in low]
 
     # Each run goes on with the other setting.
-    proc = run_cli("train", *tiny_args(tmp_path / "bf16", **{**common, "training.steps": 12}))
-    assert "resuming from" in proc.stdout and _moment_dtypes(tmp_path / "bf16") == {torch.float32}
+    proc = run_cli("train", *tiny_args(killed, **{**common, "training.steps": 12}))
+    assert "resuming from" in proc.stdout and _moment_dtypes(killed) == {torch.float32}
     proc = run_cli("train", *tiny_args(tmp_path / "fp32", **{**bf16, "training.steps": 12}))
     assert "resuming from" in proc.stdout and _moment_dtypes(tmp_path / "fp32") == {torch.bfloat16}
     assert [r["step"] for r in read_metrics(tmp_path / "fp32")] == list(range(1, 13))
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_processes_with_bf16_moments_trains_like_one_process(bf16_run, tmp_path):
+    """FSDP2's shards: the moments are bf16 DTensors beside their parameters; each rank draws its shard's random bits,
+    so the losses follow the one-process run closely, not exactly."""
+    from tests.test_distributed import torchrun
+
+    out = torchrun(2, "train", *tiny_args(tmp_path / "two", **BF16))
+    assert "world size 2" in out
+    one, two = read_metrics(bf16_run), read_metrics(tmp_path / "two")
+    assert [r["step"] for r in two] == list(range(1, 10))
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    assert _moment_dtypes(tmp_path / "two") == {torch.bfloat16}
 
 
 def test_bf16_moments_with_offload_is_one_config_error(tmp_path):
