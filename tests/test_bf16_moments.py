@@ -23,6 +23,21 @@ def test_stochastic_rounding_is_unbiased_and_keeps_bf16_values():
     assert torch.equal(round_bf16_stochastic(exact, noise[:4]).float(), exact)
 
 
+def test_a_slow_second_moment_keeps_moving_where_rounding_to_nearest_freezes_it():
+    """beta2 = 0.999 moves v by 0.05% a step here, under half of bf16's step at 1.0 (0.39%): rounded to nearest, v
+    never leaves 1.0; rounded stochastically it follows the fp32 value."""
+    gen = torch.Generator().manual_seed(0)
+    exact, nearest = torch.ones(10_000), torch.ones(10_000, dtype=torch.bfloat16)
+    stochastic = torch.ones(10_000, dtype=torch.bfloat16)
+    for _ in range(200):
+        exact = 0.999 * exact + 0.001 * 1.5
+        nearest = (0.999 * nearest.float() + 0.001 * 1.5).to(torch.bfloat16)
+        noise = torch.randint(0, 1 << 16, (10_000,), generator=gen, dtype=torch.int32)
+        stochastic = round_bf16_stochastic(0.999 * stochastic.float() + 0.001 * 1.5, noise)
+    assert torch.all(nearest == 1.0) and exact[0] > 1.09
+    assert stochastic.float().mean().item() == pytest.approx(exact[0].item(), rel=2e-3)
+
+
 def _pair(seed=0, shape=(48, 40)):
     torch.manual_seed(seed)
     w = torch.randn(shape)
