@@ -138,8 +138,8 @@ class AdamWBf16Moments(torch.optim.Optimizer):
             kernel = self._kernels.get(index)
             if kernel is None or not kernel.matches(ps, ms, vs, steps):
                 kernel = self._kernels[index] = GroupKernel(ps, ms, vs, steps)
-            kernel.run(gs, self.grad_scale, self.found_inf, seed, float(group["lr"]), beta1, beta2, group["eps"],
-                       group["weight_decay"])
+            kernel.run(gs, self.grad_scale, self.found_inf, seed, TENSORS_PER_STEP, float(group["lr"]), beta1, beta2,
+                       group["eps"], group["weight_decay"])
             return
         if self.found_inf is not None and self.found_inf.item():
             return

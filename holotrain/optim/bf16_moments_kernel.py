@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from holotrain.optim.bf16_moments import TENSORS_PER_STEP
-
 BLOCK = 2048
 _ALIGN = 16  # bytes: every pointer is checked for it, so the kernel may load 16-byte vectors
 
@@ -127,8 +125,9 @@ class GroupKernel:
     def matches(self, ps, ms, vs, steps) -> bool:
         return _pointers(ps, ms, vs, steps) == self.key
 
-    def run(self, gs, grad_scale, found_inf, seed: int, lr: float, beta1: float, beta2: float, eps: float,
-            weight_decay: float) -> None:
+    def run(self, gs, grad_scale, found_inf, seed: int, streams: int, lr: float, beta1: float, beta2: float,
+            eps: float, weight_decay: float) -> None:
+        """`seed` and `streams`: bf16_moments.stream_key's (a stream per tensor, `streams` of them per step)."""
         key = _pointers(gs)
         if key != self.grad_key:
             if self.uploaded is not None:
@@ -142,4 +141,4 @@ class GroupKernel:
             self.table, self.grads, self.numels, self.block_tensor, self.block_index,
             self.one if grad_scale is None else grad_scale, self.zero if found_inf is None else found_inf,
             seed, lr, beta1, beta2, math.log(beta1), math.log(beta2), eps, weight_decay,
-            STREAMS=TENSORS_PER_STEP, BLOCK=BLOCK, num_warps=4)
+            STREAMS=streams, BLOCK=BLOCK, num_warps=4)
