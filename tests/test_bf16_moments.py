@@ -155,6 +155,7 @@ def test_bf16_moments_with_offload_is_one_config_error(tmp_path):
 
 
 def test_the_memory_plan_counts_four_bytes_a_parameter_less():
+    from holotrain.errors import ConfigError
     from holotrain.memory import plan
     from holotrain.model import Llama
     from holotrain.plan.planner import job_config
@@ -169,6 +170,11 @@ def test_the_memory_plan_counts_four_bytes_a_parameter_less():
         sizes[moments] = p.gpu_need
     n = sum(q.numel() for q in model.parameters())
     assert sizes["fp32"] - sizes["bf16"] == pytest.approx(4 * n)
+    # A GPU between the two: the fit check names the setting that fits.
+    cfg = job_config("1.4b", [])
+    capacity = (sizes["fp32"] + sizes["bf16"]) / 2
+    with pytest.raises(ConfigError, match='memory.adamw_moments = "bf16" .*: fits'):
+        plan.check_fit(model, cfg, 1, torch.device("cuda"), 16, 1, gpu_capacity=capacity, host_capacity=500e9)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a GPU")

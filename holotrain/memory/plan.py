@@ -468,6 +468,9 @@ def _suggestions(model, cfg, world_size, device, micro, accum, plan: Plan, capac
     if mem.activation_checkpointing != "full" or mem.activation_checkpointing_blocks:
         tries.append(('memory.activation_checkpointing = "full" on every block',
                       _with(cfg, activation_checkpointing="full", activation_checkpointing_blocks=0), micro, accum))
+    if not mem.offload and mem.adamw_moments == "fp32":
+        tries.append(('memory.adamw_moments = "bf16" (stochastically rounded moments, 4 bytes a parameter less)',
+                      _with(cfg, adamw_moments="bf16"), micro, accum))
     if micro > 1:
         tries.append((f"training.micro_batch_size = {micro // 2} (accumulation keeps the batch)", cfg, micro // 2,
                       accum * 2))
