@@ -56,7 +56,7 @@ def loader_throughput(sources, tok_path, workers: int, seconds: float) -> dict:
     tokens, t0 = 0, None
     try:
         while True:
-            doc, _ = stream.next_doc()
+            doc = stream.next_doc()[0]
             if t0 is None:  # time from the first delivered document: worker start-up excluded
                 t0 = time.perf_counter()
             tokens += len(doc)

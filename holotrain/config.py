@@ -65,8 +65,9 @@ class ModelConfig(_Section):
 
 @dataclass
 class DataConfig(_Section):
-    # [[data.sources]] tables (name, path, weight, weight_schedule, text_field); none: the embedded
-    # corpus, two sources built from this Python's standard library (code, and docstrings as prose).
+    # [[data.sources]] tables (name, path, weight, weight_schedule, text_field, format = "text" | "chat",
+    # messages_field, prompt_field, response_field); none: the embedded corpus, two sources built from this Python's
+    # standard library (code, and docstrings as prose).
     sources: list = field(default_factory=list)
     seq_len: int = 256
     tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE on the sources
@@ -81,6 +82,7 @@ class DataConfig(_Section):
     log_samples: bool = False  # write RUN_DIR/samples.jsonl: the documents of every sample (rank 0's)
     backend: str = "local"  # loader processes: "local", or "ray" actors (pip install holotrain[ray])
     ray_address: str = ""  # Ray cluster to join; empty: start one on this node
+    chat_template: str = ""  # for chat sources: "" the tokenizer's own, "chatml", "llama3" or a .jinja file's path
 
 
 @dataclass
@@ -450,19 +452,11 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
     need(d.seq_len > 0, f"data.seq_len must be positive, got {d.seq_len}")
     need(d.seq_len <= m.max_seq_len, f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    names = [s.name for s in d.sources]
-    for i, src in enumerate(d.sources):
-        need(bool(src.name), f"data.sources[{i}].name is empty")
-        need(bool(src.path), f"data.sources[{src.name}].path is empty")
-        need(src.weight >= 0, f"data.sources[{src.name}].weight must be >= 0, got {src.weight}")
-        sched = src.weight_schedule
-        ok = isinstance(sched, list) and all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p) and p[1] >= 0
-            for p in sched
-        ) and all(a[0] < b[0] for a, b in zip(sched, sched[1:]))
-        need(ok, f"data.sources[{src.name}].weight_schedule must be [[step, weight], ...] with increasing steps")
-    need(len(set(names)) == len(names), f"data.sources: names must be unique, got {names}")
-    need(not d.sources or any(s.weight > 0 or s.weight_schedule for s in d.sources), "data.sources: all weights are 0")
+    from holotrain.data.chat import check_template_choice
+    from holotrain.data.sources import validate_sources
+
+    validate_sources(d.sources)
+    check_template_choice(d.chat_template)
     need(d.backend in ("local", "ray"), f"data.backend must be 'local' or 'ray', got {d.backend!r}")
     if d.backend == "ray":
         import importlib.util

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from holotrain.data.chat import template_for
 from holotrain.data.client import DataClient, plane_address, start_plane
 from holotrain.data.corpus import EOS, PAD
 from holotrain.data.plane import PlaneSpec, shm_prefix
@@ -48,6 +49,8 @@ class Data:
             chunk_bytes=int(section.chunk_mb * 2**20), prefetch_steps=section.prefetch_steps,
             balance=section.balance, shuffle=section.shuffle, log_samples=section.log_samples,
             backend=section.backend, ray_address=section.ray_address, shm_prefix=shm_prefix(run_dir),
+            # Resolved here, before any loader starts, so that a missing or broken template is one error line.
+            chat_template=template_for(section.sources, section.chat_template, Path(run_dir) / "tokenizer.json"),
         )
         address, key = plane_address(run_dir)
         owner = env.local_rank == 0  # starts this node's plane, and restarts it if it dies

@@ -2,7 +2,9 @@
 
 A sample holds `length` tokens (the model's inputs plus one for the shifted targets) made of document
 pieces; documents are never merged across a piece boundary, and the model masks attention per piece.
-A document longer than a sample is cut into sample-sized pieces.
+A document longer than a sample is cut into sample-sized pieces. A chat document carries a mask of the tokens
+trained on (its assistant turns); each piece keeps its slice of it, and a target is kept only where the token it
+predicts is one of them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 class Piece:
     tokens: np.ndarray  # uint32
     key: tuple  # (source, epoch, file, offset, start token within the document)
+    mask: np.ndarray | None = None  # bool per token: trained on (chat documents); None: every token is
 
 
 @dataclass(eq=False)
@@ -38,9 +41,10 @@ class Packer:
         self.pad_tokens = 0
         self.total_tokens = 0
 
-    def add(self, tokens: np.ndarray, key: tuple) -> None:
+    def add(self, tokens: np.ndarray, key: tuple, mask: np.ndarray | None = None) -> None:
         for start in range(0, len(tokens), self.length):
-            self._place(Piece(tokens[start : start + self.length], key[:4] + (start,)))
+            stop = start + self.length
+            self._place(Piece(tokens[start:stop], key[:4] + (start,), None if mask is None else mask[start:stop]))
 
     def _place(self, piece: Piece) -> None:
         n = len(piece.tokens)
@@ -73,8 +77,9 @@ class Packer:
         return out
 
     def state_dict(self) -> dict:
+        """Plain lists (a checkpoint stores it as JSON): each piece is [key, tokens], or [key, tokens, mask runs]."""
         def enc(bins):
-            return [[(p.key, p.tokens) for p in b.pieces] for b in bins]
+            return [[_encode_piece(p) for p in b.pieces] for b in bins]
 
         return {"open": enc(self.open), "ready": enc(self.ready), "pad": self.pad_tokens, "total": self.total_tokens}
 
@@ -82,7 +87,7 @@ class Packer:
         def dec(bins):
             out = []
             for pieces in bins:
-                b = Bin([Piece(np.asarray(t, dtype=np.uint32), tuple(k)) for k, t in pieces])
+                b = Bin([_decode_piece(p) for p in pieces])
                 b.used = sum(len(p.tokens) for p in b.pieces)
                 out.append(b)
             return out
@@ -91,24 +96,57 @@ class Packer:
         self.pad_tokens, self.total_tokens = int(state["pad"]), int(state["total"])
 
 
+def _encode_piece(piece: Piece) -> list:
+    out = [list(piece.key), piece.tokens.tolist()]
+    if piece.mask is not None:
+        out.append(mask_runs(piece.mask))
+    return out
+
+
+def _decode_piece(encoded) -> Piece:
+    key, tokens = tuple(encoded[0]), np.asarray(encoded[1], dtype=np.uint32)
+    mask = runs_mask(encoded[2], len(tokens)) if len(encoded) > 2 else None
+    return Piece(tokens, key, mask)
+
+
+def mask_runs(mask: np.ndarray) -> list[int]:
+    """A bool mask as the [start, stop, start, stop, ...] of its runs of True: compact in a checkpoint's JSON."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.astype(np.int8), [0]))))
+    return edges.tolist()
+
+
+def runs_mask(runs: list[int], n: int) -> np.ndarray:
+    mask = np.zeros(n, dtype=bool)
+    for start, stop in zip(runs[::2], runs[1::2]):
+        mask[start:stop] = True
+    return mask
+
+
 def sample_arrays(bins: list[Bin], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """inputs [n, length-1], targets [n, length-1] (-100 where nothing is to be predicted) and doc_ids
     [n, length-1] (piece index within the row; padding is one more piece)."""
     n = len(bins)
     tokens = np.full((n, length), pad_id, dtype=np.int64)
     docs = np.empty((n, length), dtype=np.int64)
+    # Which tokens are trained on: only chat pieces restrict it, so text-only samples do without the array.
+    trained = np.ones((n, length), dtype=bool) if any(p.mask is not None for b in bins for p in b.pieces) else None
     for r, b in enumerate(bins):
         pos = 0
         for d, p in enumerate(b.pieces):
             tokens[r, pos : pos + len(p.tokens)] = p.tokens
             docs[r, pos : pos + len(p.tokens)] = d
+            if p.mask is not None:
+                trained[r, pos : pos + len(p.tokens)] = p.mask
             pos += len(p.tokens)
         docs[r, pos:] = len(b.pieces)
     inputs, targets = tokens[:, :-1], tokens[:, 1:].copy()
-    # A position predicts the next token only inside its own document piece (and never padding).
+    # A position predicts the next token only inside its own document piece (and never padding), and only a token
+    # that is trained on.
     same_doc = docs[:, :-1] == docs[:, 1:]
     is_pad = docs[:, 1:] == np.array([len(b.pieces) for b in bins])[:, None]
     targets[~same_doc | is_pad] = -100
+    if trained is not None:
+        targets[~trained[:, 1:]] = -100
     return np.ascontiguousarray(inputs), targets, np.ascontiguousarray(docs[:, :-1])
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from holotrain.data.mixture import Mixture
 from holotrain.data.packing import Packer, balance, sample_arrays
 from holotrain.data.sources import SourceConfig, plan_chunks, source_files
-from holotrain.data.worker import block_views, new_block, start_light, worker_main
+from holotrain.data.worker import new_block, read_block, start_light, worker_main
 from holotrain.errors import ConfigError
 
 
@@ -59,6 +59,7 @@ class PlaneSpec:
     ray_address: str = ""  # empty: start a Ray instance on this node
     tp: int = 1  # ranks per tensor-parallel group: ranks tp*i .. tp*i+tp-1 are data-parallel rank i, one batch
     shm_prefix: str = ""  # names this plane's shared-memory blocks (shm_prefix()); empty: random names
+    chat_template: str = ""  # Jinja source of the chat sources' template (chat.template_for); "": no chat source
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,8 +101,8 @@ class LoaderPool:
         tasks = self.ctx.Queue()
         proc = self.ctx.Process(
             target=worker_main, daemon=True,
-            args=(self._next_id, [str(f) for f in self.files[source]], src.text_field, self.spec.tokenizer_path,
-                  self.spec.eos_id, tasks, self.results, os.getpid(), self.spec.shm_prefix),
+            args=(self._next_id, [str(f) for f in self.files[source]], src, self.spec.tokenizer_path,
+                  self.spec.eos_id, self.spec.chat_template, tasks, self.results, os.getpid(), self.spec.shm_prefix),
         )
         start_light(proc)
         w = _Worker(proc, source, tasks)
@@ -246,15 +247,12 @@ def _unlink(name: str) -> None:
         pass
 
 
-def _take_block(res: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Copy a worker's chunk out of shared memory (or Ray's object store) and free the block."""
+def _take_block(res: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Copy a worker's chunk out of shared memory (or Ray's object store) and free the block: (tokens, doc starts,
+    doc keys, trained-on mask or None)."""
     if "arrays" in res:
-        return tuple(np.array(a) for a in res["arrays"])
-    shm = shared_memory.SharedMemory(name=res["shm"])
-    tokens, starts, keys = (a.copy() for a in block_views(shm.buf, res["n_tokens"], res["n_docs"]))
-    shm.close()
-    shm.unlink()
-    return tokens, starts, keys
+        return tuple(None if a is None else np.array(a) for a in res["arrays"])
+    return read_block(res)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,7 +288,8 @@ class SourceStream:
                 epoch, pos = epoch + 1, 0
         return out
 
-    def next_doc(self) -> tuple[np.ndarray, tuple]:
+    def next_doc(self) -> tuple[np.ndarray, tuple, np.ndarray | None]:
+        """(tokens, key, mask): the mask says which tokens are trained on (chat sources); None: all of them."""
         while self.current is None or self.doc >= len(self.current[1]) - 1:
             if self.current is not None:
                 self.position, self.doc = self.position + 1, 0
@@ -304,11 +303,14 @@ class SourceStream:
             self.current = _take_block(res)
             self._empty_chunks_in_row = 0 if res["n_docs"] else self._empty_chunks_in_row + 1
             if self._empty_chunks_in_row > len(self.chunks):
-                raise ConfigError(f"data source {self.name!r} holds no readable documents")
-        tokens, starts, keys = self.current
+                example = f" (skipped, e.g. {self.skip_examples[0]})" if self.skip_examples else ""
+                raise ConfigError(f"data source {self.name!r} holds no readable documents{example}")
+        tokens, starts, keys, mask = self.current
         d = self.doc
         self.doc += 1
-        return tokens[starts[d] : starts[d + 1]], (self.index, self.epoch, int(keys[d, 0]), int(keys[d, 1]))
+        span = slice(starts[d], starts[d + 1])
+        key = (self.index, self.epoch, int(keys[d, 0]), int(keys[d, 1]))
+        return tokens[span], key, None if mask is None else mask[span]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "doc": self.doc, "skipped": self.skipped,
@@ -339,9 +341,9 @@ class Constructor:
         spec, n = self.spec, self.spec.global_batch
         while not self.packer.has(n):
             s = self.mixture.pick()
-            tokens, key = self.streams[s].next_doc()
+            tokens, key, mask = self.streams[s].next_doc()
             self.mixture.account(s, len(tokens), self.step)
-            self.packer.add(tokens, key)
+            self.packer.add(tokens, key, mask)
         bins = self.packer.take(n)
         dp = spec.world_size // spec.tp  # data-parallel ranks; a tensor-parallel group shares one batch
         per = n // dp
@@ -360,11 +362,8 @@ class Constructor:
         return out
 
     def state_dict(self) -> dict:
-        packer = self.packer.state_dict()
-        for which in ("open", "ready"):
-            packer[which] = [[(list(k), t.tolist()) for k, t in b] for b in packer[which]]
         return {"step": self.step, "streams": [s.state_dict() for s in self.streams],
-                "mixture": self.mixture.state_dict(), "packer": packer}
+                "mixture": self.mixture.state_dict(), "packer": self.packer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]

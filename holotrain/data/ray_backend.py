@@ -1,8 +1,8 @@
 """Source loaders as Ray actors (`data.backend = "ray"`), for data planes that span machines.
 
 Same contract as plane.LoaderPool: chunks are dispatched in consumption order, delivered whole, and a
-dead actor's undelivered chunks are read again by its replacement. Tokens travel through Ray's object
-store (shared memory on the same node) as numpy arrays.
+dead actor's undelivered chunks are read again by its replacement. Tokens (and a chat source's mask of the
+tokens trained on) travel through Ray's object store (shared memory on the same node) as numpy arrays.
 """
 
 from __future__ import annotations
@@ -14,25 +14,27 @@ from pathlib import Path
 
 import ray
 
+from holotrain.data.chat import reader_for
 from holotrain.data.worker import tokenize_chunk
 from holotrain.errors import ConfigError
 
 
 @ray.remote(num_cpus=1)
 class LoaderActor:
-    def __init__(self, files: list[str], text_field: str, tokenizer_path: str, eos_id: int):
+    def __init__(self, files: list[str], src, tokenizer_path: str, eos_id: int, chat_template: str):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per actor, as for local workers
         from tokenizers import Tokenizer
 
         self.paths = [Path(f) for f in files]
-        self.text_field, self.eos_id = text_field, eos_id
+        self.text_field, self.eos_id = src.text_field, eos_id
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
+        self.chat = reader_for(src, chat_template, tokenizer_path)
 
     def load(self, chunk, epoch: int) -> dict:
-        tokens, starts, keys, text = tokenize_chunk(chunk, self.paths, self.text_field, self.tokenizer, self.eos_id)
-        return {"source": chunk.source, "index": chunk.index, "epoch": epoch, "arrays": (tokens, starts, keys),
-                "n_tokens": len(tokens), "n_docs": len(keys), "skipped": text.skipped,
-                "skip_examples": text.skip_examples}
+        tokenized = tokenize_chunk(chunk, self.paths, self.text_field, self.tokenizer, self.eos_id, self.chat)
+        return {"source": chunk.source, "index": chunk.index, "epoch": epoch, "arrays": tokenized.arrays(),
+                "n_tokens": len(tokenized.tokens), "n_docs": len(tokenized.keys), "skipped": tokenized.text.skipped,
+                "skip_examples": tokenized.text.skip_examples}
 
 
 @dataclass
@@ -61,8 +63,9 @@ class RayLoaderPool:
 
     def _spawn(self, source: int) -> _Actor:
         src = self.spec.sources[source]
-        handle = LoaderActor.options(num_cpus=self.cpus).remote([str(f) for f in self.files[source]], src.text_field, self.spec.tokenizer_path,
-                                    self.spec.eos_id)
+        handle = LoaderActor.options(num_cpus=self.cpus).remote([str(f) for f in self.files[source]], src,
+                                                                self.spec.tokenizer_path, self.spec.eos_id,
+                                                                self.spec.chat_template)
         actor = _Actor(handle, source)
         self.actors.append(actor)
         return actor

@@ -1,8 +1,10 @@
 """A source loader process: reads chunks of one source, tokenizes them, and hands the tokens over in
 shared memory. Only a chunk's name and sizes travel through the queue, never per-sample pickles.
 
-Shared block layout: tokens uint32[n_tokens] | doc starts int64[n_docs + 1] | doc keys int64[n_docs, 2].
-The consumer unlinks the block once it has copied it out.
+Shared block layout: tokens uint32[n_tokens] | doc starts int64[n_docs + 1] | doc keys int64[n_docs, 2] |
+mask uint8[n_mask]. The mask says which tokens are trained on; only chat sources have one (n_mask = n_tokens), a
+text source's block has none (n_mask = 0: every token counts). The consumer unlinks the block once it has copied it
+out.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import queue
 import secrets
 import sys
 import traceback
+from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import numpy as np
 
-from holotrain.data.sources import Chunk, read_chunk
+from holotrain.data.chat import assistant_mask, reader_for
+from holotrain.data.sources import Chunk, ChunkText, SourceConfig, read_chunk
 from holotrain.errors import ConfigError
 
 
@@ -25,16 +29,31 @@ def _starts_offset(n_tokens: int) -> int:
     return -(-4 * n_tokens // 8) * 8  # int64 arrays start 8-byte aligned
 
 
-def block_size(n_tokens: int, n_docs: int) -> int:
-    return max(8, _starts_offset(n_tokens) + 8 * (n_docs + 1) + 16 * n_docs)
+def block_size(n_tokens: int, n_docs: int, n_mask: int = 0) -> int:
+    return max(8, _starts_offset(n_tokens) + 8 * (n_docs + 1) + 16 * n_docs + n_mask)
 
 
-def block_views(buf, n_tokens: int, n_docs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def block_views(buf, n_tokens: int, n_docs: int, n_mask: int = 0) -> tuple[np.ndarray, ...]:
+    """(tokens, starts, keys, mask) over a shared block."""
     tokens = np.ndarray((n_tokens,), dtype=np.uint32, buffer=buf, offset=0)
     o = _starts_offset(n_tokens)
     starts = np.ndarray((n_docs + 1,), dtype=np.int64, buffer=buf, offset=o)
-    keys = np.ndarray((n_docs, 2), dtype=np.int64, buffer=buf, offset=o + 8 * (n_docs + 1))
-    return tokens, starts, keys
+    o += 8 * (n_docs + 1)
+    keys = np.ndarray((n_docs, 2), dtype=np.int64, buffer=buf, offset=o)
+    mask = np.ndarray((n_mask,), dtype=np.uint8, buffer=buf, offset=o + 16 * n_docs)
+    return tokens, starts, keys, mask
+
+
+@dataclass
+class TokenizedChunk:
+    tokens: np.ndarray  # uint32: every document followed by eos_id
+    starts: np.ndarray  # int64 [n_docs + 1]: where each document starts in tokens
+    keys: np.ndarray  # int64 [n_docs, 2]: (file, offset) of each document
+    mask: np.ndarray | None  # bool per token, whether it is trained on (chat sources); None: every token is
+    text: ChunkText  # what was read, and skipped
+
+    def arrays(self) -> tuple:
+        return self.tokens, self.starts, self.keys, self.mask
 
 
 def start_light(proc) -> None:
@@ -53,13 +72,14 @@ def start_light(proc) -> None:
         main.__dict__.update(saved)
 
 
-def worker_main(worker_id: int, files: list[str], text_field: str, tokenizer_path: str, eos_id: int,
-                tasks, results, parent_pid: int, shm_prefix: str = "") -> None:
+def worker_main(worker_id: int, files: list[str], src: SourceConfig, tokenizer_path: str, eos_id: int,
+                chat_template: str, tasks, results, parent_pid: int, shm_prefix: str = "") -> None:
     # One core per worker: the plane scales by workers, so the tokenizer must not fan out threads itself.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(tokenizer_path)
+    chat = reader_for(src, chat_template, tokenizer_path)
     paths = [Path(f) for f in files]
     while True:
         if os.getppid() != parent_pid:  # the data plane is gone: do not outlive it
@@ -72,22 +92,20 @@ def worker_main(worker_id: int, files: list[str], text_field: str, tokenizer_pat
             return
         chunk, epoch = task
         try:
-            results.put(("chunk", worker_id, load_chunk(chunk, epoch, paths, text_field, tokenizer, eos_id,
-                                                         shm_prefix)))
+            tokenized = tokenize_chunk(chunk, paths, src.text_field, tokenizer, eos_id, chat)
+            results.put(("chunk", worker_id, write_block(chunk, epoch, tokenized, shm_prefix)))
         except Exception as e:  # a bad file fails the same way every time: report it, do not die and retry
             kind = "config_error" if isinstance(e, ConfigError) else "error"
             results.put((kind, worker_id, {"source": chunk.source, "epoch": epoch, "index": chunk.index,
                                            "message": str(e) if kind == "config_error" else traceback.format_exc()}))
 
 
-def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, eos_id: int):
-    """Read and tokenize one chunk: (tokens uint32, doc starts int64[n+1], doc keys int64[n, 2], ChunkText).
-    Every document ends with eos_id."""
-    text = read_chunk(chunk, paths, text_field, eos_id)
-    if text.token_docs:
-        docs = text.token_docs
-    else:
-        docs = [np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(text.texts, add_special_tokens=False)]
+def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, eos_id: int,
+                   chat=None) -> TokenizedChunk:
+    """Read and tokenize one chunk (a chat source's with its ChatReader). Every document ends with eos_id."""
+    text = read_chunk(chunk, paths, text_field, eos_id, chat)
+    encodings = [] if text.token_docs else tokenizer.encode_batch(text.texts, add_special_tokens=False)
+    docs = text.token_docs or [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
     starts = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum([len(d) + 1 for d in docs], out=starts[1:])
     tokens = np.empty(int(starts[-1]), dtype=np.uint32)
@@ -95,7 +113,12 @@ def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, 
         tokens[s : s + len(d)] = d
     tokens[starts[1:] - 1] = eos_id
     keys = np.asarray(text.keys, dtype=np.int64).reshape(len(docs), 2)
-    return tokens, starts, keys, text
+    mask = None
+    if text.spans is not None:  # the assistant turns; the end-of-text after a conversation is not one
+        mask = np.zeros(len(tokens), dtype=bool)
+        for e, spans, s in zip(encodings, text.spans, starts[:-1]):
+            mask[s : s + len(e.ids)] = assistant_mask(e.offsets, spans)
+    return TokenizedChunk(tokens, starts, keys, mask, text)
 
 
 def new_block(size: int, prefix: str = "") -> shared_memory.SharedMemory:
@@ -104,18 +127,31 @@ def new_block(size: int, prefix: str = "") -> shared_memory.SharedMemory:
     return shared_memory.SharedMemory(create=True, size=size, name=f"{prefix}{secrets.token_hex(8)}" if prefix else None)
 
 
-def load_chunk(chunk: Chunk, epoch: int, paths: list[Path], text_field: str, tokenizer, eos_id: int,
-               shm_prefix: str = "") -> dict:
-    tokens, starts, keys, text = tokenize_chunk(chunk, paths, text_field, tokenizer, eos_id)
-    n_tokens, n_docs = len(tokens), len(keys)
-    shm = new_block(block_size(n_tokens, n_docs), shm_prefix)
-    for dst, src in zip(block_views(shm.buf, n_tokens, n_docs), (tokens, starts, keys)):
-        dst[:] = src
+def write_block(chunk: Chunk, epoch: int, tokenized: TokenizedChunk, shm_prefix: str = "") -> dict:
+    """A tokenized chunk into a new shared block; returns what the queue carries to the plane."""
+    n_tokens, n_docs = len(tokenized.tokens), len(tokenized.keys)
+    n_mask = 0 if tokenized.mask is None else n_tokens
+    shm = new_block(block_size(n_tokens, n_docs, n_mask), shm_prefix)
+    for dst, src in zip(block_views(shm.buf, n_tokens, n_docs, n_mask), tokenized.arrays()):
+        if src is not None:
+            dst[:] = src
     name = shm.name
     shm.close()
     # The consumer owns the block from now on (it unlinks it); this process's exit must not remove it.
     resource_tracker.unregister(shm._name, "shared_memory")
     return {
         "source": chunk.source, "index": chunk.index, "epoch": epoch, "shm": name, "n_tokens": n_tokens,
-        "n_docs": n_docs, "skipped": text.skipped, "skip_examples": text.skip_examples,
+        "n_docs": n_docs, "n_mask": n_mask, "skipped": tokenized.text.skipped,
+        "skip_examples": tokenized.text.skip_examples,
     }
+
+
+def read_block(res: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Copy a chunk out of its shared block and free the block: (tokens, starts, keys, mask or None)."""
+    shm = shared_memory.SharedMemory(name=res["shm"])
+    tokens, starts, keys, mask = block_views(shm.buf, res["n_tokens"], res["n_docs"], res.get("n_mask", 0))
+    out = tokens.copy(), starts.copy(), keys.copy(), mask.astype(bool) if len(mask) else None
+    del tokens, starts, keys, mask  # views into the block: it cannot close while they live
+    shm.close()
+    shm.unlink()
+    return out
