@@ -145,6 +145,43 @@ def prepare_tokenizer(sources: list[SourceConfig], tokenizer: str, vocab_size: i
             train_tokenizer(docs, vocab_size).save(str(tmp / "tokenizer.json"))
             _publish(tmp, path.parent)
         tok = Tokenizer.from_file(str(path))
-    if tok.token_to_id(EOS) is None:
-        raise ConfigError(f"data.tokenizer: {tokenizer!r} has no {EOS} token")
+    special_ids(tok, path)  # a tokenizer without an end-of-text token is refused now, naming the file
     return tok, path
+
+
+TOKENIZER_CONFIG = "tokenizer_config.json"  # Hugging Face's: special tokens and chat template, beside tokenizer.json
+
+
+def tokenizer_config(tokenizer_path: str | Path) -> dict:
+    """The tokenizer_config.json beside a tokenizer.json, or {} where there is none."""
+    path = Path(tokenizer_path).with_name(TOKENIZER_CONFIG)
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return config
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def special_ids(tokenizer, tokenizer_path: str | Path) -> tuple[int, int]:
+    """(end-of-text id, padding id) of a tokenizer: the eos and pad tokens its tokenizer_config.json names (a
+    Hugging Face model's), else holotrain's own <|endoftext|> and <|pad|>. Padding never becomes a target, so a
+    tokenizer without a pad token pads with end-of-text."""
+    config = tokenizer_config(tokenizer_path)
+    eos_text = _token_text(config.get("eos_token")) or EOS
+    eos = tokenizer.token_to_id(eos_text)
+    if eos is None:
+        raise ConfigError(f"{tokenizer_path}: the tokenizer has no end-of-text token {eos_text!r}")
+    pad_text = _token_text(config.get("pad_token")) or PAD
+    pad = tokenizer.token_to_id(pad_text)
+    return eos, eos if pad is None else pad

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from holotrain.data.chat import template_for
 from holotrain.data.client import DataClient, plane_address, start_plane
-from holotrain.data.corpus import EOS, PAD
+from holotrain.data.corpus import special_ids
 from holotrain.data.plane import PlaneSpec, shm_prefix
 from holotrain.jsonl import truncate_jsonl
 
@@ -40,9 +40,11 @@ class Data:
                  state: dict | None, start_step: int):
         self.env = env
         node_first = env.rank - env.local_rank
+        tokenizer_path = Path(run_dir) / "tokenizer.json"
+        eos_id, pad_id = special_ids(tokenizer, tokenizer_path)
         spec = PlaneSpec(
-            sources=section.sources, tokenizer_path=str(Path(run_dir) / "tokenizer.json"),
-            eos_id=tokenizer.token_to_id(EOS), pad_id=tokenizer.token_to_id(PAD) or 0, seq_len=section.seq_len,
+            sources=section.sources, tokenizer_path=str(tokenizer_path),
+            eos_id=eos_id, pad_id=pad_id, seq_len=section.seq_len,
             global_batch=layout.global_batch, world_size=env.world_size,
             local_ranks=list(range(node_first, node_first + env.local_world_size)), micro_batch=layout.micro,
             tp=layout.tp, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
@@ -50,7 +52,7 @@ class Data:
             balance=section.balance, shuffle=section.shuffle, log_samples=section.log_samples,
             backend=section.backend, ray_address=section.ray_address, shm_prefix=shm_prefix(run_dir),
             # Resolved here, before any loader starts, so that a missing or broken template is one error line.
-            chat_template=template_for(section.sources, section.chat_template, Path(run_dir) / "tokenizer.json"),
+            chat_template=template_for(section.sources, section.chat_template, tokenizer_path),
         )
         address, key = plane_address(run_dir)
         owner = env.local_rank == 0  # starts this node's plane, and restarts it if it dies

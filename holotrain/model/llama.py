@@ -292,7 +292,8 @@ class Llama(nn.Module):
             total, count = self.loss_sum(h, targets)
         else:
             total, count = fused_linear_cross_entropy(self.norm(h), self.output.weight, targets, n, self.loss_piece)
-        return total / count
+        # A micro-batch with no target (a chat sample whose assistant turns fall elsewhere) adds zero, not NaN.
+        return total / count.clamp(min=1)
 
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the cross-entropies, number of targets other than -100) of tokens h [N, D]: the unit that is
