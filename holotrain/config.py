@@ -20,6 +20,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+from holotrain.config_values import coerce
 from holotrain.data.sources import SourceConfig
 from holotrain.errors import ConfigError
 from holotrain.model.llama import PRESETS
@@ -60,7 +61,15 @@ class ModelConfig(_Section):
     vocab_size: int = 0  # tiny preset: 0 = the tokenizer's vocabulary, rounded up to a multiple of 64
     max_seq_len: int = 0  # 0 = data.seq_len
     rope_theta: float = 0.0
+    rope_scaling: dict = field(default_factory=dict)  # {} = none; {rope_type = "llama3" | "linear", factor, ...}
     norm_eps: float = 0.0
+    tie_embeddings: bool = False  # the head shares the embedding's weight
+    qkv_bias: bool = False  # biases as pretrained checkpoints have them (Qwen2: q/k/v)
+    out_bias: bool = False
+    mlp_bias: bool = False
+    # A Hugging Face model directory or a holotrain run / checkpoint: the dimensions, weights and tokenizer come
+    # from it (model/pretrained.py); a new run starts from its weights with a fresh optimizer.
+    init_from: str = ""
 
 
 @dataclass
@@ -265,69 +274,6 @@ class Config(_Section):
 # Loading
 
 
-def _int_list(key: str, value: Any) -> list[int]:
-    """A list of integers from TOML ([10, 11]) or the command line ("10,11" or "[10, 11]")."""
-    if isinstance(value, str):
-        text = value.strip().strip("[]")
-        try:
-            value = [int(x) for x in text.replace(",", " ").split()]
-        except ValueError:
-            raise ConfigError(f"{key}: expected a list of integers, got {value!r}") from None
-    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
-    return value
-
-
-def _str_list(key: str, value: Any) -> list[str]:
-    """A list of names from TOML (["output", "layers.*.wq"]) or the command line ("output,layers.0.*")."""
-    if isinstance(value, str):
-        value = [x.strip().strip("'\"") for x in value.strip().strip("[]").split(",") if x.strip()]
-    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-        raise ConfigError(f"{key}: expected a list of names, got {value!r}")
-    return value
-
-
-def _type_name(typ: Any) -> str:
-    """'float', or for a union such as float | str: 'float or str'."""
-    args = typing.get_args(typ)
-    return " or ".join(a.__name__ for a in args) if args else getattr(typ, "__name__", str(typ))
-
-
-def _coerce(key: str, value: Any, typ: type) -> Any:
-    """Convert a TOML or command-line value to the field's type, or raise ConfigError naming the key."""
-    if typ is list:
-        return _int_list(key, value)
-    if typing.get_origin(typ) is list:
-        return _str_list(key, value)
-    if isinstance(value, str) and typ is not str:
-        text = value.strip()
-        try:
-            if typ is bool:
-                low = text.lower()
-                if low in ("true", "1", "yes", "on", ""):
-                    return True
-                if low in ("false", "0", "no", "off"):
-                    return False
-                raise ValueError
-            if typ is int:
-                return int(text)
-            if typ is float:
-                return float(text)
-        except ValueError:
-            raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}") from None
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if typ is bool and not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected bool, got {value!r}")
-    if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{key}: expected int, got {value!r}")
-    if typing.get_args(typ) and float in typing.get_args(typ) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)  # a TOML integer where a number is meant (offload_ratio = 1)
-    if not isinstance(value, typ):
-        raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}")
-    return value
-
-
 def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     sections = {f.name for f in dataclasses.fields(Config)}
     if section not in sections:
@@ -339,7 +285,7 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     if (section, key) == ("data", "sources"):
         sec_obj.sources = _sources(value)
         return
-    setattr(sec_obj, key, _coerce(f"{section}.{key}", value, hints[key]))
+    setattr(sec_obj, key, coerce(f"{section}.{key}", value, hints[key]))
 
 
 def _sources(value: Any) -> list[SourceConfig]:
@@ -352,7 +298,7 @@ def _sources(value: Any) -> list[SourceConfig]:
         for k, v in table.items():
             if k not in hints:
                 raise ConfigError(f"unknown config key data.sources[{i}].{k}")
-            setattr(src, k, v if k == "weight_schedule" else _coerce(f"data.sources[{i}].{k}", v, hints[k]))
+            setattr(src, k, v if k == "weight_schedule" else coerce(f"data.sources[{i}].{k}", v, hints[k]))
         out.append(src)
     return out
 
@@ -420,6 +366,10 @@ def resolve(cfg: Config, tokenizer_vocab: int | None = None) -> Config:
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {m.preset!r} (known: {', '.join(PRESETS)})")
     preset = PRESETS[m.preset]
+    if m.init_from:
+        from holotrain.model.pretrained import fill_config
+
+        fill_config(cfg)  # every dimension (and the tokenizer) from the checkpoint; the preset is not used
     for f in dataclasses.fields(preset):
         if hasattr(m, f.name) and not getattr(m, f.name):
             setattr(m, f.name, getattr(preset, f.name))
@@ -449,6 +399,10 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need((m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
     need(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
     need(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
+    if m.rope_scaling:
+        from holotrain.model.hf import rope_settings
+
+        rope_settings({"rope_scaling": m.rope_scaling}, "model.rope_scaling")  # raises ConfigError naming the key
     need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
     need(d.seq_len > 0, f"data.seq_len must be positive, got {d.seq_len}")
     need(d.seq_len <= m.max_seq_len, f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

@@ -104,7 +104,9 @@ def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, 
                    chat=None) -> TokenizedChunk:
     """Read and tokenize one chunk (a chat source's with its ChatReader). Every document ends with eos_id."""
     text = read_chunk(chunk, paths, text_field, eos_id, chat)
-    encodings = [] if text.token_docs else tokenizer.encode_batch(text.texts, add_special_tokens=False)
+    # Plain text takes the tokenizer's own special tokens (a pretrained Llama's begin-of-text); a rendered chat
+    # already holds those its template writes.
+    encodings = [] if text.token_docs else tokenizer.encode_batch(text.texts, add_special_tokens=chat is None)
     docs = text.token_docs or [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
     starts = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum([len(d) + 1 for d in docs], out=starts[1:])

@@ -1,4 +1,5 @@
-"""Name and config mapping between holotrain's Llama and Hugging Face's LlamaForCausalLM."""
+"""Name and config mapping between holotrain's Llama and Hugging Face's Llama-architecture models (LlamaForCausalLM,
+MistralForCausalLM without a sliding window, Qwen2ForCausalLM): parameter names, and config.json both ways."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import re
 
 import torch
 
-from holotrain.model.llama import LlamaArgs
+from holotrain.errors import ConfigError
+from holotrain.model.llama import ROPE_TYPES, LlamaArgs
 
 _LAYER_NAMES = {
     "attention.wq": "self_attn.q_proj",
@@ -24,40 +26,133 @@ _TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_FROM_HF_LAYER = {hf: ours for ours, hf in _LAYER_NAMES.items()}
+_FROM_HF_TOP = {hf: ours for ours, hf in _TOP_NAMES.items()}
+
+# model_type -> the architecture name transformers knows it by.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def to_hf_name(name: str) -> str:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
     if not m or m.group(2) not in _LAYER_NAMES:
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {to_hf_name(k): v for k, v in state.items()}
+def from_hf_name(name: str) -> str:
+    if name in _FROM_HF_TOP:
+        return _FROM_HF_TOP[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if not m or m.group(2) not in _FROM_HF_LAYER:
+        raise KeyError(f"unexpected Hugging Face parameter {name!r}")
+    return f"layers.{m.group(1)}.{_FROM_HF_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool = False) -> dict[str, torch.Tensor]:
+    """Our state dict under Hugging Face's names; a tied head is stored once, as the embedding (as transformers
+    saves it)."""
+    return {to_hf_name(k): v for k, v in state.items() if not (tie_embeddings and k == "output.weight")}
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    inverse = {}
-    for k, v in state.items():
-        if k in {hf for hf in _TOP_NAMES.values()}:
-            inverse[next(o for o, hf in _TOP_NAMES.items() if hf == k)] = v
-            continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", k)
-        ours = next((o for o, hf in _LAYER_NAMES.items() if m and hf == m.group(2)), None)
-        if ours is None:
-            raise KeyError(f"unexpected Hugging Face parameter {k!r}")
-        inverse[f"layers.{m.group(1)}.{ours}.weight"] = v
-    return inverse
+    return {from_hf_name(k): v for k, v in state.items()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# config.json -> model section
+
+
+def model_fields_from_hf(config: dict, where: str) -> dict:
+    """The `model.*` values (LlamaArgs fields) of a Hugging Face config.json, or a ConfigError naming the key that
+    holotrain cannot run as it says. `where`: the file, for the message."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"{where}: model_type {model_type!r} is not supported (supported: "
+                          f"{', '.join(ARCHITECTURES)}: Llama-architecture decoders)")
+
+    def need(key: str, kind=int, default=None):
+        value = config.get(key, default)
+        if value is None or isinstance(value, bool) or not isinstance(value, kind):
+            raise ConfigError(f"{where}: {key} must be {'a number' if kind is not int else 'an integer'}, "
+                              f"got {value!r}")
+        return value
+
+    dim, n_heads = need("hidden_size"), need("num_attention_heads")
+    n_kv = need("num_key_value_heads", default=n_heads)
+    head_dim = config.get("head_dim") or dim // n_heads
+    if dim % n_heads or head_dim != dim // n_heads:
+        raise ConfigError(f"{where}: head_dim = {head_dim} is not hidden_size / num_attention_heads = {dim} / "
+                          f"{n_heads} (holotrain's attention needs that)")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    window = config.get("sliding_window") if config.get("use_sliding_window", model_type == "mistral") else None
+    if window is not None:
+        raise ConfigError(f"{where}: sliding_window = {window} is not supported (full causal attention only)")
+    theta, scaling = rope_settings(config, where)
+    if model_type == "qwen2":  # q, k and v carry biases; the output projection and the MLP do not
+        qkv_bias, out_bias, mlp_bias = True, False, False
+    else:
+        qkv_bias = out_bias = bool(config.get("attention_bias", False))
+        mlp_bias = bool(config.get("mlp_bias", False))
+    return {
+        "dim": dim,
+        "n_layers": need("num_hidden_layers"),
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv,
+        "ffn_dim": need("intermediate_size"),
+        "vocab_size": need("vocab_size"),
+        "max_seq_len": need("max_position_embeddings", default=2048),
+        "rope_theta": float(theta),
+        "rope_scaling": scaling,
+        "norm_eps": float(need("rms_norm_eps", (int, float), 1e-6)),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "qkv_bias": qkv_bias,
+        "out_bias": out_bias,
+        "mlp_bias": mlp_bias,
+    }
+
+
+def rope_settings(config: dict, where: str) -> tuple[float, dict]:
+    """(rope_theta, scaling) from either spelling: transformers 5's rope_parameters, or rope_theta + rope_scaling."""
+    params = dict(config.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
+    if not params:
+        params = dict(config.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{where}: rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    keys = {"default": (), "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[kind]
+    missing = [k for k in keys if not isinstance(params.get(k), (int, float))]
+    if missing:
+        raise ConfigError(f"{where}: rope scaling {kind!r} needs {', '.join(missing)}")
+    return theta, ({"rope_type": kind, **{k: params[k] for k in keys}} if kind != "default" else {})
+
+
+# --------------------------------------------------------------------------------------------------------
+# model section -> config.json
 
 
 def hf_config_dict(args: LlamaArgs, dtype: str = "float32") -> dict:
-    """A config.json for transformers.LlamaForCausalLM describing the same network."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """A config.json that transformers loads as the same network: Qwen2ForCausalLM where only q/k/v carry biases,
+    else LlamaForCausalLM. Rope scaling is written in both spellings (transformers 4's rope_scaling, 5's
+    rope_parameters)."""
+    qwen2 = args.qkv_bias and not args.out_bias
+    if qwen2 and args.mlp_bias:
+        raise ConfigError("model: biases on q/k/v and on the MLP but not on the attention output have no Hugging "
+                          "Face architecture to export to")
+    if args.qkv_bias != args.out_bias and not qwen2:
+        raise ConfigError("model: a bias on the attention output without q/k/v biases has no Hugging Face "
+                          "architecture to export to")
+    model_type = "qwen2" if qwen2 else "llama"
+    scaling = dict(args.rope_scaling) if args.rope_scaling else None
+    config = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_dim,
         "num_hidden_layers": args.n_layers,
@@ -68,11 +163,15 @@ def hf_config_dict(args: LlamaArgs, dtype: str = "float32") -> dict:
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": args.rope_theta},
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+    if qwen2:
+        config.update(use_sliding_window=False, sliding_window=None)
+    else:
+        config.update(attention_bias=args.qkv_bias, mlp_bias=args.mlp_bias)
+    return config

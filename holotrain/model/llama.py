@@ -13,7 +13,7 @@ import os
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,18 @@ class LlamaArgs:
     vocab_size: int = 0  # 0: taken from the tokenizer
     max_seq_len: int = 0  # 0: taken from data.seq_len
     rope_theta: float = 10000.0
+    # Context extension, as Hugging Face's rope_scaling / rope_parameters: {} (none), {"rope_type": "linear",
+    # "factor": f} or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} (Llama 3.1).
+    rope_scaling: dict = field(default_factory=dict)
     norm_eps: float = 1e-5
+    # Variants of the architecture that pretrained checkpoints use (model/hf.py maps them): the head sharing the
+    # embedding's weight (Llama 3.2 1B/3B, small Qwen2), biases on q/k/v (Qwen2), on the attention output
+    # (Llama's attention_bias) and on the MLP's linears (Llama's mlp_bias).
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -49,9 +60,36 @@ PRESETS: dict[str, LlamaArgs] = {
 }
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [seq_len, head_dim], fp32, in the rotate-half layout."""
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim / 2], fp32, with the context-extension scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":  # positions divided by the factor
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths (beyond original / low_freq_factor) slowed by the factor, short ones (below
+        # original / high_freq_factor) kept, and a smooth blend between the two.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(medium, blended, scaled)
+    if kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    return inv_freq
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, head_dim], fp32, in the rotate-half layout."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -123,10 +161,10 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=args.out_bias)
 
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -158,9 +196,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=args.mlp_bias)  # gate
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.mlp_bias)  # up
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=args.mlp_bias)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
@@ -194,7 +232,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.tie_weights()
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.residual_in_autocast_dtype = True
@@ -207,6 +246,21 @@ class Llama(nn.Module):
         self.loss_piece = head_piece
         if not self.output.weight.is_meta:  # a model built on "meta" is initialized after placement
             self.init_weights()
+
+    def tie_weights(self) -> None:
+        """With tie_embeddings, the head's weight is the embedding's (one parameter). Called again by levers that
+        replace parameters one by one (tensor parallelism, and placement of a model built on "meta" outside FSDP2,
+        whose to_empty makes each module's parameter anew)."""
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_rope(self) -> None:
+        """The rotary tables (buffers not kept in checkpoints), once the model is placed."""
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device,
+                               self.args.rope_scaling)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -227,6 +281,8 @@ class Llama(nn.Module):
             full = p.data if in_place else torch.empty(p.shape, dtype=torch.float32)
             if name.endswith("norm.weight"):
                 full.fill_(1.0)
+            elif name.endswith(".bias"):
+                full.zero_()
             else:
                 generator = None
                 if seed is not None:
@@ -247,9 +303,7 @@ class Llama(nn.Module):
                     _copy_drawn(pending.popleft())
             while pending:
                 _copy_drawn(pending.popleft())
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.init_rope()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:

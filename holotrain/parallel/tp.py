@@ -7,6 +7,7 @@ checkpoints them like any other DTensor:
   attention wo, FFN w2              Shard(1)  row-parallel: partial sums over a rank's heads / columns
   tok_embeddings, output            Shard(0)  vocabulary-parallel
   the RMSNorm weights               Replicate (their gradients summed over the group)
+  biases (where a checkpoint has them): a column-parallel linear's Shard(0), a row-parallel one's Replicate
 Activations between the parallel regions are sequence-parallel: a rank holds 1/tp of the micro-batch's
 tokens, one contiguous block of its flattened B*T rows, shaped [B, T/tp, dim]; norms and residual adds run on
 that share. A column-parallel group all-gathers the tokens into its GEMM (QKV as one GEMM over the three
@@ -83,6 +84,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, section: TPSection) -> TPCom
         "output": VocabParallelHead(comm),
     }
     parallelize_module(model, tp_mesh, plan)
+    model.tie_weights()  # the embedding and the head are split alike (Shard(0) over the vocabulary)
     model.loss = functools.partial(_vocab_parallel_loss, model, comm)
     model.tp_comm = comm
     return comm
@@ -120,6 +122,8 @@ class ColumnParallelGroup(_Style):
         linears = [getattr(module, n) for n in self.names]
         for lin in linears:
             _distribute(lin, "weight", device_mesh, Shard(0))
+            if lin.bias is not None:
+                _distribute(lin, "bias", device_mesh, Shard(0))
         setattr(module, self.method, functools.partial(_column_group_forward, linears, self.comm))
         return module
 
@@ -129,6 +133,8 @@ class RowParallel(_Style):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute(module, "weight", device_mesh, Shard(1))
+        if module.bias is not None:
+            _distribute(module, "bias", device_mesh, Replicate())
         module.forward = functools.partial(_row_forward, module, self.comm)
         return module
 
@@ -181,7 +187,10 @@ def _column_group_forward(linears: list[nn.Linear], comm: TPComm, x: torch.Tenso
     B, Tl, K = x.shape
     ws = [lin.weight.to_local() for lin in linears]
     w = ws[0] if len(ws) == 1 else torch.cat(ws)  # one GEMM over the linears' local rows
-    y = _gathered_linear(linears, x.reshape(B * Tl, K), w, comm).view(B, Tl * comm.world, -1)
+    y = _gathered_linear(linears, x.reshape(B * Tl, K), w, comm)
+    if linears[0].bias is not None:
+        y = y + torch.cat([lin.bias.to_local() for lin in linears]).to(y.dtype)
+    y = y.view(B, Tl * comm.world, -1)
     return y.split([t.shape[0] for t in ws], dim=-1)
 
 
@@ -191,6 +200,8 @@ def _row_forward(linear: nn.Linear, comm: TPComm, x: torch.Tensor) -> torch.Tens
     x, w = x.reshape(B * T, Kl), linear.weight.to_local()
     fp8 = _fp8_matmul([linear])
     y = linear_rs(x, w, comm) if fp8 is None else reduce_scatter_rows(fp8(x, w.t()), comm)
+    if linear.bias is not None:  # added once, after the sum; its gradient summed over the ranks' token blocks
+        y = y + grad_all_reduce(linear.bias.to_local(), comm).to(y.dtype)
     return y.view(B, T // comm.world, -1)
 
 

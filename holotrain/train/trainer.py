@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import threading
 import time
@@ -34,7 +35,7 @@ from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
 from holotrain.parallel.lever import build as build_parallel
 from holotrain.profile.lever import build as build_profiler
-from holotrain.train.checkpoint import RUN_ID
+from holotrain.train.checkpoint import RUN_ID, load_model_weights
 from holotrain.train.checkpointer import Checkpoints
 from holotrain.train.resolve import (
     compute_dtype_for,
@@ -50,9 +51,10 @@ DATA_STATE = "data_state.json"
 
 
 def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: Memory | None = None,
-                par: Parallel | None = None) -> torch.nn.Module:
-    """Builds the plain model with seeded weights, then applies the levers from outside: tensor parallelism,
-    FP8 linear layers, the memory lever's compute choices, compilation, FSDP2. `cfg` must be resolved (no "auto"
+                par: Parallel | None = None, pretrained: bool = True) -> torch.nn.Module:
+    """Builds the plain model, applies the levers from outside (tensor parallelism, FP8 linear layers, the memory
+    lever's compute choices, compilation, FSDP2), then gives it its weights: seeded, or model.init_from's
+    (`pretrained`: False when a checkpoint of the run will overwrite them). `cfg` must be resolved (no "auto"
     offload ratio or fp8)."""
     memory = memory or build_memory(cfg.memory, env)
     par = par or build_parallel(cfg.parallel, env)
@@ -72,9 +74,34 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
         compile_regions(model)
     par.apply_fsdp(model, compute_dtype)
     model.to_empty(device="cpu" if memory.host_built else env.device)
-    model.init_weights(seed=cfg.job.seed)
+    model.tie_weights()  # to_empty makes a module's parameters anew (FSDP2 keeps a tie; plain placement does not)
+    if cfg.model.init_from and pretrained:
+        load_pretrained(model, cfg.model.init_from, env)
+    else:
+        model.init_weights(seed=cfg.job.seed)
     precision.initialize(model)
     return model
+
+
+def load_pretrained(model: torch.nn.Module, init_from: str, env: DistEnv) -> None:
+    """model.init_from's weights into the placed model (each rank its own slices), with the time and host memory
+    it took on the console."""
+    from holotrain.model.pretrained import describe, load_hf_weights
+
+    t0 = time.perf_counter()
+    source = describe(init_from)
+    model.init_rope()
+    if source.kind == "hf":
+        read = load_hf_weights(model, source)
+    else:
+        load_model_weights(source.checkpoint, model)
+        read = sum(p.numel() * p.element_size() for p in model.parameters())
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+    if env.is_main:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        print(f"holotrain: weights from {source.checkpoint or source.directory}: {read / 1e9:.2f} GB read on rank 0 "
+              f"in {time.perf_counter() - t0:.1f} s (peak host memory {rss / 1e9:.1f} GB)", flush=True)
 
 
 def compile_regions(model: torch.nn.Module) -> None:
@@ -153,7 +180,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     dtype = compute_dtype_for(cfg, env.device)
     memory = build_memory(cfg.memory, env)
     profiler = build_profiler(cfg.profile, env, run_dir)
-    model = build_model(cfg, env, dtype, memory, build_parallel(cfg.parallel, env))
+    model = build_model(cfg, env, dtype, memory, build_parallel(cfg.parallel, env), pretrained=not job.resume)
     optimizer = memory.optimizer(model, AdamWHyper.from_section(cfg.training), cfg.training.lr, dtype,
                                  profiler.clock)
     checkpointer = Checkpoints(cfg.checkpoint, env, run_dir, cfg.training.steps)
