@@ -89,6 +89,7 @@ def test_import_train_export_import_round_trip(tmp_path):
     import transformers
 
     from holotrain.config import load_config
+    from holotrain.errors import ConfigError
     from holotrain.export import export_hf
     from holotrain.model import Llama
     from holotrain.train.checkpoint import latest_checkpoint, load_model_weights
@@ -122,9 +123,12 @@ def test_import_train_export_import_round_trip(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         assert (trained.eval()(TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-4
-    again = _imported(out)
+    again, ours = _imported(out), _imported(run_dir)  # the export, and the run itself (its newest DCP checkpoint)
     for name, value in trained.state_dict().items():
         assert torch.equal(again.state_dict()[name], value), name
+        assert torch.equal(ours.state_dict()[name], value), name
+    with pytest.raises(ConfigError, match=r"model\.dim = 128 differs from model\.init_from's 64"):
+        _imported(run_dir, "--model.dim=128")
     # The trained weights moved away from the imported ones (the comparison above is not of the import itself).
     assert not torch.equal(trained.state_dict()["layers.0.attention.wq.bias"],
                            _imported(hf_dir).state_dict()["layers.0.attention.wq.bias"])
@@ -151,4 +155,43 @@ def torchrun_script(nproc, script, *args):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc.stdout
+
+
+
+def test_every_lever_starts_from_the_imported_weights(tmp_path):
+    """Offload engine (host master weights from the shards), activation checkpointing and FP8 (emulated) each train
+    their first step from the imported weights: its loss is transformers' loss on the batch, and offload's second
+    step equals plain AdamW's."""
+    from holotrain.config import load_config, resolve
+    from holotrain.parallel import DistEnv
+    from holotrain.train.trainer import TrainStep, build_model, build_optimizer
+
+    hf = make_hf_model(tmp_path, "gqa_tied")
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, VOCAB, (2, 32), generator=g), torch.randint(0, VOCAB, (2, 32), generator=g))
+               for _ in range(2)]
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(batches[0][0]).logits.flatten(0, 1), batches[0][1].flatten()).item()
+
+    def two_steps(*overrides):
+        cfg = resolve(load_config(None, [f"--model.init_from={tmp_path}", "--data.seq_len=32", "--job.device=cpu",
+                                         *overrides]), tokenizer_vocab=VOCAB)
+        env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        model = build_model(cfg, env, torch.float32)
+        opt = build_optimizer(model, cfg, env, torch.float32)
+        step = TrainStep(model, opt, cfg, env, torch.float32)
+        try:
+            return [step(lambda m, b=b: b, 1, 1e-3)[0].item() for b in batches]
+        finally:
+            opt.close()
+
+    plain = two_steps()
+    offload = two_steps("--memory.offload=true", "--memory.offload_kernel=torch")
+    checkpointed = two_steps("--memory.activation_checkpointing=full")
+    fp8 = two_steps("--training.fp8=tensorwise", "--training.fp8_emulate=true")
+    for losses in (plain, offload, checkpointed):
+        assert abs(losses[0] - want) <= 1e-4 * want, (losses, want)
+    assert abs(offload[1] - plain[1]) <= 1e-4 * plain[1] and abs(checkpointed[1] - plain[1]) <= 1e-4 * plain[1]
+    assert abs(fp8[0] - want) <= 0.02 * want, (fp8, want)  # FP8's rounding, from the same weights
+    assert plain[1] != plain[0]
 

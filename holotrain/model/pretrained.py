@@ -43,7 +43,7 @@ class Pretrained:
     fields: dict  # LlamaArgs fields
     tokenizer: Path  # tokenizer.json
     weight_files: dict[str, Path] = field(default_factory=dict)  # hf: our parameter name -> safetensors file
-    checkpoint: Path | None = None  # run: the checkpoint directory
+    checkpoint: Path | None = None  # run: the checkpoint directory (None: the run's newest intact one)
 
 
 def describe(init_from: str | Path) -> Pretrained:
@@ -129,9 +129,8 @@ def _natural(name: str):
 
 
 def _describe_run(directory: Path) -> Pretrained:
-    """One of our runs: the run directory (its newest checkpoint) or a checkpoint directory inside it."""
-    from holotrain.train.checkpoint import latest_checkpoint
-
+    """One of our runs: the run directory (checkpoint None: its newest intact one, which the trainer's checkpoint
+    code picks) or a checkpoint directory inside it."""
     run_dir, checkpoint = directory, None
     if re.fullmatch(r"step-\d+", directory.name) and directory.parent.name == "checkpoints":
         run_dir, checkpoint = directory.parent.parent, directory
@@ -139,9 +138,8 @@ def _describe_run(directory: Path) -> Pretrained:
     if not config_path.is_file():
         raise ConfigError(f"model.init_from: {directory} holds neither a Hugging Face {CONFIG} nor a holotrain run "
                           "(config.toml)")
-    checkpoint = checkpoint or latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise ConfigError(f"model.init_from: {run_dir} holds no complete checkpoint")
+    if checkpoint is None and not any((run_dir / "checkpoints").glob("step-*")):
+        raise ConfigError(f"model.init_from: {run_dir} holds no checkpoint")
     try:
         model = tomllib.loads(config_path.read_text()).get("model", {})
     except tomllib.TOMLDecodeError as e:

@@ -20,7 +20,7 @@ from holotrain.config import Config, batch_layout
 from holotrain.data.corpus import TOKENIZER_CONFIG
 from holotrain.data.lever import Layout
 from holotrain.data.lever import build as build_data
-from holotrain.errors import TrainingStopped
+from holotrain.errors import ConfigError, TrainingStopped
 from holotrain.hw import peak_bf16_flops
 from holotrain.hw.lever import build as build_hardware
 from holotrain.memory import Memory
@@ -35,7 +35,7 @@ from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
 from holotrain.parallel.lever import build as build_parallel
 from holotrain.profile.lever import build as build_profiler
-from holotrain.train.checkpoint import RUN_ID, load_model_weights
+from holotrain.train.checkpoint import RUN_ID, latest_checkpoint, load_model_weights
 from holotrain.train.checkpointer import Checkpoints
 from holotrain.train.resolve import (
     compute_dtype_for,
@@ -94,13 +94,16 @@ def load_pretrained(model: torch.nn.Module, init_from: str, env: DistEnv) -> Non
     if source.kind == "hf":
         read = load_hf_weights(model, source)
     else:
-        load_model_weights(source.checkpoint, model)
+        checkpoint = source.checkpoint or latest_checkpoint(source.directory)
+        if checkpoint is None:
+            raise ConfigError(f"model.init_from: {source.directory} holds no intact checkpoint")
+        load_model_weights(checkpoint, model)
         read = sum(p.numel() * p.element_size() for p in model.parameters())
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
     if env.is_main:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        print(f"holotrain: weights from {source.checkpoint or source.directory}: {read / 1e9:.2f} GB read on rank 0 "
+        print(f"holotrain: weights from {source.directory}: {read / 1e9:.2f} GB read on rank 0 "
               f"in {time.perf_counter() - t0:.1f} s (peak host memory {rss / 1e9:.1f} GB)", flush=True)
 
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Starting from a Hugging Face model on one H200, in one device call:
+#  1. a 1.4b-shape Llama made with transformers (random weights, bf16 safetensors) and holotrain's tokenizer;
+#  2. `holotrain train --config 1.4b` (shipped defaults: compiled, clipping on, the embedded corpus) from
+#     --model.init_from=that directory against the same config from random init, alternating (init, seed, seed,
+#     init), STEPS steps each; tokens/s from metrics.jsonl past the first logged interval;
+#  3. a 7b-shape checkpoint (about 13.5 GB) made the same way, and its import timed in a fresh process
+#     (bench/hf_import.py time: init_from against seeded, peak host memory).
+# Usage (repo root, on the GPU machine): bash bench/gpu_hf_import.sh OUT_DIR [STEPS] [PARTS]   PARTS: train,7b
+set -uo pipefail
+out=${1:?output directory}; steps=${2:-60}; parts=${3:-train,7b}
+export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
+mkdir -p "$out"
+train=(python3 -m holotrain.cli train --config 1.4b --training.steps="$steps" --profile.progress=false
+       --profile.report=false --profile.tensorboard=false --checkpoint.every=0 --checkpoint.save_final=false)
+run() {  # name, extra args
+  local name=$1; shift
+  s=$SECONDS
+  timeout $(( 150 + steps )) "${train[@]}" --job.run_dir=/tmp/hf-$name "$@" > "$out/$name.log" 2>&1
+  echo "== $name: rc $? in $(( SECONDS - s )) s"; grep "weights from\|rror" "$out/$name.log" | head -3
+  cp /tmp/hf-$name/metrics.jsonl "$out/$name.jsonl"; rm -rf /tmp/hf-$name
+}
+if [[ $parts == *train* ]]; then
+  s=$SECONDS; python3 bench/hf_import.py make --preset 1.4b --out /tmp/hf-1.4b 2>&1 | grep -v Warning | tail -2
+  echo "== made 1.4b in $(( SECONDS - s )) s"
+  run init1 --model.init_from=/tmp/hf-1.4b
+  run seed1
+  run seed2
+  run init2 --model.init_from=/tmp/hf-1.4b
+  python3 - "$out" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def rows(name):
+    p = out / f"{name}.jsonl"
+    return [json.loads(l) for l in p.read_text().splitlines()] if p.is_file() else []
+med = {}
+for name in ("init1", "seed1", "seed2", "init2"):
+    r = rows(name)[1:]  # the first interval holds compilation
+    if r:
+        med[name] = statistics.median(x["tokens_per_s"] for x in r)
+        print(f"{name}: median {med[name]:.0f} tokens/s over {len(r)} intervals, mfu {statistics.median(x['mfu'] for x in r):.3f}, "
+              f"loss first {rows(name)[0]['loss']:.3f} last {r[-1]['loss']:.3f}, peak {max(x['mem.peak_gb'] for x in r):.1f} GB")
+if len(med) == 4:
+    print(f"init_from / seeded: pair 1 {med['init1'] / med['seed1']:.3f}, pair 2 {med['init2'] / med['seed2']:.3f}, "
+          f"all {(med['init1'] + med['init2']) / (med['seed1'] + med['seed2']):.3f}")
+PY
+  rm -rf /tmp/hf-1.4b
+fi
+if [[ $parts == *7b* ]]; then
+  s=$SECONDS; python3 bench/hf_import.py make --preset 7b --out /tmp/hf-7b 2>&1 | grep -v Warning | tail -2
+  echo "== made 7b in $(( SECONDS - s )) s"
+  timeout 240 python3 bench/hf_import.py time --dir /tmp/hf-7b --json "$out/import_7b.json" 2>&1 | grep -v Warning | tail -5
+  rm -rf /tmp/hf-7b
+fi
+echo "== end after $SECONDS s"
