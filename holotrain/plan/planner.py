@@ -80,9 +80,9 @@ class Candidate:
 
 def job_config(config: str | None, overrides: list[str]) -> Config:
     """The job resolved as far as the cost model needs, without building the corpus: the vocabulary of a tokenizer
-    still to be trained is taken as data.vocab_size."""
+    still to be trained is taken as data.vocab_size (a pretrained model's, model.init_from, is its own)."""
     cfg = load_config(config, overrides)
-    return resolve(cfg, tokenizer_vocab=None if cfg.model.vocab_size else cfg.data.vocab_size)
+    return resolve(cfg, tokenizer_vocab=None if cfg.model.vocab_size or cfg.model.init_from else cfg.data.vocab_size)
 
 
 def plan_device(cfg: Config) -> torch.device:
