@@ -5,8 +5,11 @@
 #     --model.init_from=that directory against the same config from random init, alternating (init, seed, seed,
 #     init), STEPS steps each; tokens/s from metrics.jsonl past the first logged interval;
 #  3. a 7b-shape checkpoint (about 13.5 GB) made the same way, and its import timed in a fresh process
-#     (bench/hf_import.py time: init_from against seeded, peak host memory).
-# Usage (repo root, on the GPU machine): bash bench/gpu_hf_import.sh OUT_DIR [STEPS] [PARTS]   PARTS: train,7b
+#     (bench/hf_import.py time: init_from against seeded, peak host memory);
+#  4. (part offload) that 7b under the offload engine on a 24 GB GPU cap (`--config offload`, host master weights
+#     read from the shards): init_from against random init, OFFLOAD_STEPS (20) steps each, OFFLOAD_ORDER (init:
+#     init_from first, seed: random init first).
+# Usage (repo root, on the GPU machine): bash bench/gpu_hf_import.sh OUT_DIR [STEPS] [PARTS]   PARTS: train,7b,offload
 set -uo pipefail
 out=${1:?output directory}; steps=${2:-60}; parts=${3:-train,7b}
 export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1
@@ -51,6 +54,27 @@ if [[ $parts == *7b* ]]; then
   s=$SECONDS; python3 bench/hf_import.py make --preset 7b --out /tmp/hf-7b 2>&1 | grep -v Warning | tail -2
   echo "== made 7b in $(( SECONDS - s )) s"
   timeout 240 python3 bench/hf_import.py time --dir /tmp/hf-7b --json "$out/import_7b.json" 2>&1 | grep -v Warning | tail -5
-  rm -rf /tmp/hf-7b
 fi
+if [[ $parts == *offload* ]]; then
+  [ -d /tmp/hf-7b ] || python3 bench/hf_import.py make --preset 7b --out /tmp/hf-7b 2>&1 | grep -v Warning | tail -1
+  train=(python3 -m holotrain.cli train --config offload --hw.gpu_memory_gb=24 --training.steps="${OFFLOAD_STEPS:-20}" --training.log_every=5
+         --profile.progress=false --profile.report=false --profile.tensorboard=false --checkpoint.every=0
+         --checkpoint.save_final=false)
+  steps=120
+  if [[ ${OFFLOAD_ORDER:-init} == init ]]; then run off-init --model.init_from=/tmp/hf-7b; run off-seed
+  else run off-seed; run off-init --model.init_from=/tmp/hf-7b; fi
+  python3 - "$out" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for name in ("off-init", "off-seed"):
+    p = out / f"{name}.jsonl"
+    r = [json.loads(l) for l in p.read_text().splitlines()] if p.is_file() else []
+    if len(r) > 1:
+        print(f"{name}: median {statistics.median(x['tokens_per_s'] for x in r[1:]):.0f} tokens/s, mfu "
+              f"{statistics.median(x['mfu'] for x in r[1:]):.3f}, host rss {max(x['mem.host_rss_gb'] for x in r):.1f} GB, "
+              f"loss {r[0]['loss']:.3f} -> {r[-1]['loss']:.3f}")
+PY
+fi
+rm -rf /tmp/hf-7b
 echo "== end after $SECONDS s"

@@ -195,3 +195,12 @@ def test_every_lever_starts_from_the_imported_weights(tmp_path):
     assert abs(fp8[0] - want) <= 0.02 * want, (fp8, want)  # FP8's rounding, from the same weights
     assert plain[1] != plain[0]
 
+
+
+def test_the_planner_reads_the_job_from_init_from(tmp_path):
+    from holotrain.plan.planner import job_config
+
+    make_hf_model(tmp_path, "qwen2")
+    cfg = job_config(None, [f"--model.init_from={tmp_path}", "--data.seq_len=32"])
+    assert (cfg.model.dim, cfg.model.vocab_size, cfg.model.qkv_bias, cfg.model.tie_embeddings) == (64, VOCAB, True, True)
+    assert cfg.data.tokenizer == str(tmp_path / "tokenizer.json")

@@ -33,22 +33,29 @@ _FROM_HF_TOP = {hf: ours for ours, hf in _TOP_NAMES.items()}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
+def _rename(name: str, top: dict, layer: dict, source: str, target: str) -> str | None:
+    """A parameter name in the other convention: top-level names by `top`, block names by `layer` (the block's
+    prefix `source` becoming `target`); None if it has none."""
+    if name in top:
+        return top[name]
+    m = re.fullmatch(rf"{re.escape(source)}(\d+)\.(.+)\.(weight|bias)", name)
+    if not m or m.group(2) not in layer:
+        return None
+    return f"{target}{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
+
+
 def to_hf_name(name: str) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
-    if not m or m.group(2) not in _LAYER_NAMES:
+    hf = _rename(name, _TOP_NAMES, _LAYER_NAMES, "layers.", "model.layers.")
+    if hf is None:
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return hf
 
 
 def from_hf_name(name: str) -> str:
-    if name in _FROM_HF_TOP:
-        return _FROM_HF_TOP[name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
-    if not m or m.group(2) not in _FROM_HF_LAYER:
+    ours = _rename(name, _FROM_HF_TOP, _FROM_HF_LAYER, "model.layers.", "layers.")
+    if ours is None:
         raise KeyError(f"unexpected Hugging Face parameter {name!r}")
-    return f"layers.{m.group(1)}.{_FROM_HF_LAYER[m.group(2)]}.{m.group(3)}"
+    return ours
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool = False) -> dict[str, torch.Tensor]:

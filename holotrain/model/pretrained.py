@@ -10,6 +10,7 @@ memory-mapped safetensors files, so that no rank holds a whole 7B-14B model in h
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -199,7 +200,20 @@ def load_hf_weights(model: nn.Module, pretrained: Pretrained) -> int:
         with safe_open(str(path), framework="pt") as f:
             for name in by_file[path]:
                 read += _copy_slice(params[name], f.get_slice(to_hf_name(name)), name, path)
+        _drop_from_page_cache(path)
     return read
+
+
+def _drop_from_page_cache(path: Path) -> None:
+    """The file's pages leave the page cache once read: a 7B-14B checkpoint would otherwise hold as much host memory
+    as the offload engine's pinned buffers need next."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _plain_names(model: nn.Module):
