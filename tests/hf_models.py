@@ -12,10 +12,12 @@ KINDS = {
     "llama": dict(model_type="llama", num_key_value_heads=4, tie_word_embeddings=False, rope_theta=50000.0,
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    # Grouped-query attention with the head tied to the embedding (Llama 3.2 1B/3B's layout).
-    "gqa_tied": dict(model_type="llama", num_key_value_heads=2, tie_word_embeddings=True, rope_theta=10000.0),
-    # Qwen2: biases on q/k/v, tied head, rope_theta 1e6.
-    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+    # Grouped-query attention with the head tied to the embedding (Llama 3.2 1B/3B's layout), linear rope scaling.
+    "gqa_tied": dict(model_type="llama", num_key_value_heads=2, tie_word_embeddings=True, rope_theta=10000.0,
+                     rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    # Qwen2: biases on q/k/v, tied head, rope_theta 1e6, YaRN (Qwen2.5's long-context setting).
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6,
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
 }
 VOCAB = 320
 

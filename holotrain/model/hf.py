@@ -26,6 +26,8 @@ _TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# YaRN's settings that have defaults (Hugging Face's names).
+YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 _FROM_HF_LAYER = {hf: ours for ours, hf in _LAYER_NAMES.items()}
 _FROM_HF_TOP = {hf: ours for ours, hf in _TOP_NAMES.items()}
 
@@ -132,12 +134,14 @@ def rope_settings(config: dict, where: str) -> tuple[float, dict]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ConfigError(f"{where}: rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    keys = {"default": (), "linear": ("factor",),
+    keys = {"default": (), "linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[kind]
     missing = [k for k in keys if not isinstance(params.get(k), (int, float))]
     if missing:
         raise ConfigError(f"{where}: rope scaling {kind!r} needs {', '.join(missing)}")
-    return theta, ({"rope_type": kind, **{k: params[k] for k in keys}} if kind != "default" else {})
+    optional = YARN_OPTIONAL if kind == "yarn" else ()
+    kept = {k: params[k] for k in keys + optional if params.get(k) is not None}
+    return theta, ({"rope_type": kind, **kept} if kind != "default" else {})
 
 
 # --------------------------------------------------------------------------------------------------------
