@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from holotrain.config import ConfigError, load_config, validate
-from holotrain.data.corpus import TOKENIZER_CONFIG
+from holotrain.data.corpus import TOKENIZER_FILES
 from holotrain.model import Llama
 from holotrain.model.hf import hf_config_dict, to_hf_state_dict
 from holotrain.train.checkpoint import latest_checkpoint, load_model_weights
@@ -40,7 +40,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_sharded(state, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", TOKENIZER_CONFIG):
+    for name in ("tokenizer.json", *TOKENIZER_FILES):
         if (run_dir / name).is_file():
             shutil.copyfile(run_dir / name, out_dir / name)
     return out_dir

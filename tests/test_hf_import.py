@@ -204,3 +204,13 @@ def test_the_planner_reads_the_job_from_init_from(tmp_path):
     cfg = job_config(None, [f"--model.init_from={tmp_path}", "--data.seq_len=32"])
     assert (cfg.model.dim, cfg.model.vocab_size, cfg.model.qkv_bias, cfg.model.tie_embeddings) == (64, VOCAB, True, True)
     assert cfg.data.tokenizer == str(tmp_path / "tokenizer.json")
+
+
+def test_a_chat_template_in_its_own_file_is_the_tokenizers(tmp_path):
+    from holotrain.data.corpus import tokenizer_config
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert "chat_template" not in tokenizer_config(tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    config = tokenizer_config(tmp_path / "tokenizer.json")
+    assert config == {"eos_token": "</s>", "chat_template": "{{ messages[0]['content'] }}"}

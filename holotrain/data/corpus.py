@@ -152,17 +152,25 @@ def prepare_tokenizer(sources: list[SourceConfig], tokenizer: str, vocab_size: i
 TOKENIZER_CONFIG = "tokenizer_config.json"  # Hugging Face's: special tokens and chat template, beside tokenizer.json
 
 
+CHAT_TEMPLATE = "chat_template.jinja"  # where newer Hugging Face tokenizers keep the template instead
+TOKENIZER_FILES = (TOKENIZER_CONFIG, CHAT_TEMPLATE)  # what travels with a tokenizer.json (run dir, export)
+
+
 def tokenizer_config(tokenizer_path: str | Path) -> dict:
-    """The tokenizer_config.json beside a tokenizer.json, or {} where there is none."""
+    """The tokenizer_config.json beside a tokenizer.json ({} where there is none), with the chat template of a
+    chat_template.jinja beside it where the JSON has none."""
     path = Path(tokenizer_path).with_name(TOKENIZER_CONFIG)
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+    config = {}
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: not a readable JSON file ({e})") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+    template = path.with_name(CHAT_TEMPLATE)
+    if "chat_template" not in config and template.is_file():
+        config["chat_template"] = template.read_text()
     return config
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from holotrain.config import Config, batch_layout
-from holotrain.data.corpus import TOKENIZER_CONFIG
+from holotrain.data.corpus import TOKENIZER_FILES
 from holotrain.data.lever import Layout
 from holotrain.data.lever import build as build_data
 from holotrain.errors import ConfigError, TrainingStopped
@@ -171,10 +171,9 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
         (run_dir / "tokenizer.json").write_bytes(job.tokenizer_path.read_bytes())
-        # A Hugging Face tokenizer's special tokens and chat template travel with it.
-        tokenizer_config = job.tokenizer_path.with_name(TOKENIZER_CONFIG)
-        if tokenizer_config.is_file():
-            (run_dir / TOKENIZER_CONFIG).write_bytes(tokenizer_config.read_bytes())
+        for name in TOKENIZER_FILES:  # a Hugging Face tokenizer's special tokens and chat template travel with it
+            if job.tokenizer_path.with_name(name).is_file():
+                (run_dir / name).write_bytes(job.tokenizer_path.with_name(name).read_bytes())
         if not (run_dir / RUN_ID).is_file():
             (run_dir / RUN_ID).write_text(uuid.uuid4().hex)
     if env.world_size > 1:
