@@ -163,6 +163,12 @@ class ParallelConfig(_Section):
     tp_spin_limit: int = 1 << 26
     tp_barrier_ms: int = 120000
     tp_piece_mb: float = 4.0
+    # Context parallelism (holotrain/parallel/cp.py): ranks that split each sequence, load-balanced (each rank holds
+    # chunks i and 2N-1-i of 2N). "ring": keys and values pass around the group, each hop overlapped with attention on
+    # the block at hand; "alltoall": all-to-all from sequence to heads (the heads, and kv heads, of a TP rank must divide
+    # by cp) and attention over the whole sequence; "auto": alltoall where heads divide, else ring. 1 = off.
+    cp: int = 1
+    cp_mode: str = "auto"
 
 
 @dataclass
@@ -472,6 +478,12 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
              "parallel.tp_overlap='fused' computes in bf16: set training.dtype to auto or bf16")
         need(not getattr(cfg.memory, "offload", False),
              "parallel.tp > 1 does not combine with memory.offload yet: use one of them")
+    need(par.cp >= 1, f"parallel.cp must be >= 1, got {par.cp}")
+    need(par.cp_mode in ("auto", "ring", "alltoall"), f"parallel.cp_mode must be auto, ring or alltoall, got {par.cp_mode!r}")
+    if par.cp > 1:
+        need(d.seq_len % (2 * par.cp * par.tp) == 0, f"data.seq_len={d.seq_len} must divide by 2 x parallel.cp x "
+             f"parallel.tp = {2 * par.cp * par.tp} (each rank holds two equal chunks of every sequence)")
+        need(not cfg.memory.offload, "parallel.cp > 1 does not combine with memory.offload yet: use one of them")
     need(par.tp_spin_limit > 0, f"parallel.tp_spin_limit must be positive, got {par.tp_spin_limit}")
     need(par.tp_barrier_ms > 0, f"parallel.tp_barrier_ms must be positive, got {par.tp_barrier_ms}")
     need(par.tp_piece_mb > 0, f"parallel.tp_piece_mb must be positive, got {par.tp_piece_mb}")

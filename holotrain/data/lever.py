@@ -29,7 +29,7 @@ class Layout:
     global_batch: int  # sequences per optimizer step, all ranks
     micro: int  # sequences per rank per forward
     accum: int  # micro-batches per step
-    tp: int  # ranks of a tensor-parallel group (they read the same batch)
+    tp: int  # ranks that read the same batch: a tensor- and context-parallel group (tp x cp adjacent ranks)
     seed: int
 
 

@@ -168,6 +168,26 @@ def doc_block_mask(doc_ids: torch.Tensor) -> BlockMask:
     return _compiled_create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+    """Causal attention of q [B, H, T, D] over k, v [B, H_kv, T, D]: plain causal (mask None), a boolean SDPA mask
+    [B, 1, T, T], or a flex_attention BlockMask."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if isinstance(mask, BlockMask):
+        return _flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class SequenceAttention:
+    """Attention over a sequence whose tokens are spread over several ranks (context parallelism, parallel/cp.py):
+    passed to the blocks in place of a mask, and called with this rank's q [B, H, T_local, D], k and v."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -199,7 +219,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
-        """mask: None (plain causal), a boolean SDPA mask [B, 1, T, T], or a flex_attention BlockMask."""
+        """mask: None (plain causal), a boolean SDPA mask [B, 1, T, T], a flex_attention BlockMask, or a
+        SequenceAttention (the sequence spread over ranks)."""
         q, k, v = self.qkv(x)
         # Shapes come from the projections, heads from the weights: under tensor parallelism x holds this
         # rank's share of the tokens, the projections all tokens and this rank's share of the heads.
@@ -207,13 +228,7 @@ class Attention(nn.Module):
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        gqa = self.n_kv_heads != self.n_heads
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif isinstance(mask, BlockMask):
-            y = _flex(q, k, v, block_mask=mask, enable_gqa=gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = mask(q, k, v) if isinstance(mask, SequenceAttention) else attention(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -274,6 +289,8 @@ class Llama(nn.Module):
         # computes one piece (compiled from outside like the blocks).
         self.loss_chunk_tokens = 0
         self.loss_piece = head_piece
+        # Set by parallel/cp.py: splits each sequence over the context-parallel group (`split`). None: whole here.
+        self.context_parallel = None
         if not self.output.weight.is_meta:  # a model built on "meta" is initialized after placement
             self.init_weights()
 
@@ -344,7 +361,12 @@ class Llama(nn.Module):
         With it, positions restart at every document and no token attends across documents.
         """
         T = tokens.shape[1]
-        if doc_ids is None:
+        weight = None
+        if self.context_parallel is not None:
+            # This rank's share of the sequence, its positions, and the attention that spans the group.
+            tokens, targets, pos, mask, weight = self.context_parallel.split(tokens, targets, doc_ids)
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        elif doc_ids is None:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
         else:
             pos = doc_positions(doc_ids)
@@ -360,7 +382,10 @@ class Llama(nn.Module):
             h = block(h, cos, sin, mask) if self.around_block is None else self.around_block(i, block, h, cos, sin, mask)
         if targets is None:
             return self.output(self.norm(h))
-        return self.loss(h, targets)
+        loss = self.loss(h, targets)
+        # Under context parallelism: this rank's mean, weighted so that the group's gradients average to the
+        # sequence's mean over all its targets.
+        return loss if weight is None else loss * weight
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and mean cross-entropy (in fp32) over targets other than -100.
@@ -435,3 +460,16 @@ def flops_per_token(args: LlamaArgs, seq_len: int) -> int:
     ffn = 3 * args.dim * args.ffn_dim
     linear = args.n_layers * (attn + ffn) + args.dim * args.vocab_size
     return 6 * linear + 12 * args.n_layers * args.dim * seq_len
+
+
+ATTENTION_FORWARD_SHARE = 2 / 7  # of attention_flops_per_token: forward's 2 of the 7 T x T products
+
+
+def attention_flops_per_token(args: LlamaArgs, seq_len: int, density: float = 1.0) -> float:
+    """Training FLOPs per token of attention's T x T products as the kernels do them (the time model's, not MFU's):
+    over the causal triangle only (a token meets seq_len / 2 keys on average), times `density`, the share of that
+    triangle the kernel visits (1 for a row of one document; with packed documents about the sum of their squared
+    lengths over seq_len squared, counted in the kernel's blocks). Forward runs 2 products (scores, then values),
+    backward 5 (flash-style kernels recompute the scores): 7 of 2 * n_heads * head_dim FLOPs per (query, key) pair
+    and layer."""
+    return 7 * 2 * args.n_layers * args.n_heads * args.head_dim * (seq_len / 2) * density

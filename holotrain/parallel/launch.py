@@ -69,21 +69,34 @@ def _restart_safe_store(rank: int, world: int) -> dict:
     return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world}
 
 
-def device_mesh(env: DistEnv, tp: int = 1):
-    """The job's device mesh: 1-D ("dp",) without tensor parallelism, else 2-D ("dp", "tp") with the ranks of one
-    tensor-parallel group adjacent (rank = dp_index * tp + tp_index, so a group sits on one node's GPUs).
-    None on one process."""
-    if env.world_size == 1 and tp == 1:
+def device_mesh(env: DistEnv, tp: int = 1, cp: int = 1):
+    """The job's device mesh, built here only: dimensions ("dp", "cp", "tp"), of which a size-1 one is left out
+    (("dp",) for plain data parallelism). Ranks of one tensor-parallel group are adjacent, then those of one
+    context-parallel group (rank = (dp_index * cp + cp_index) * tp + tp_index), so the groups that talk most sit on
+    one node's GPUs. FSDP2 shards over dp and cp together ("dp_cp", see `fsdp_mesh`). None on one process."""
+    if env.world_size == 1 and tp == 1 and cp == 1:
         return None
-    if tp > 1 and env.world_size == 1:
-        raise ConfigError(f"parallel.tp={tp} needs {tp} ranks: launch with torchrun --nproc_per_node={tp}")
-    if tp < 1 or env.world_size % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide the world size ({env.world_size} ranks)")
+    for name, n in (("tp", tp), ("cp", cp)):
+        if n < 1:
+            raise ConfigError(f"parallel.{name} must be >= 1, got {n}")
+    what = " x ".join(f"parallel.{k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1)
+    if env.world_size == 1:
+        raise ConfigError(f"{what} needs {tp * cp} ranks: launch with torchrun --nproc_per_node={tp * cp}")
+    if env.world_size % (tp * cp):
+        raise ConfigError(f"{what} needs a multiple of {tp * cp} ranks (world size {env.world_size})")
     from torch.distributed.device_mesh import init_device_mesh
 
-    if tp == 1:
-        return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
-    return init_device_mesh(env.device.type, (env.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    dims = [(name, n) for name, n in (("dp", env.world_size // (tp * cp)), ("cp", cp), ("tp", tp))
+            if n > 1 or name == "dp"]
+    return init_device_mesh(env.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+
+
+def fsdp_mesh(mesh):
+    """The dimension FSDP2 shards over: "dp", or dp and cp flattened into one (the ranks of a context-parallel group
+    hold the same weights and each computes gradients from its share of the sequence)."""
+    if "cp" not in mesh.mesh_dim_names:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def destroy_distributed() -> None:

@@ -46,7 +46,8 @@ def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
 
 
 def data_parallel_size(cfg: Config, env: DistEnv) -> int:
-    return max(1, env.world_size // cfg.parallel.tp)
+    """Ranks that read different batches: a tensor- and context-parallel group reads one."""
+    return max(1, env.world_size // (cfg.parallel.tp * cfg.parallel.cp))
 
 
 def resolve_job(cfg: Config, env: DistEnv) -> Job:

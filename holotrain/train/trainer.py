@@ -66,6 +66,9 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
     # A plan that cannot fit GPU or host memory is refused now, with the numbers, not by an OOM later.
     memory.check_fit(model, cfg, *batch_layout(cfg, data_parallel_size(cfg, env)))
     par.apply_tp(model)
+    par.apply_cp(model)
+    if env.is_main and par.cp_mode:
+        print(f"holotrain: context parallelism over {cfg.parallel.cp} ranks ({par.cp_mode})", flush=True)
     precision.apply(model)
     if env.is_main and precision.describe():
         print(f"holotrain: {precision.describe()}", flush=True)
@@ -199,7 +202,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
             return []
-        layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.parallel.tp, cfg.job.seed)
+        layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.parallel.tp * cfg.parallel.cp, cfg.job.seed)
         data = build_data(cfg.data, env, run_dir, job.tokenizer, layout, data_state, start_step)
         try:
             rows = _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, job.micro, job.accum,
