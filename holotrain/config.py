@@ -175,8 +175,9 @@ class ParallelConfig(_Section):
 class MemoryConfig(_Section):
     # "none" | "full" (every block recomputed in backward) | "selective" (every other block) | "pointwise" (the
     # norms, rotary and SwiGLU products recomputed, no matmul); see holotrain/memory/activation_checkpointing.py.
-    # true / false are accepted as "full" / "none".
-    activation_checkpointing: str | bool = "none"
+    # true / false are accepted as "full" / "none". "auto": the least recomputation the memory plan fits (none at
+    # short sequences, more as they grow), chosen when the run starts and saved in its config.toml.
+    activation_checkpointing: str | bool = "auto"
     # "full" or "pointwise" on this many blocks, spread evenly over the depth (0 = every block).
     activation_checkpointing_blocks: int = 0
     # ZeRO-Offload (holotrain/memory/offload/): fp32 master weights and AdamW states in CPU memory, working
@@ -513,8 +514,8 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     # activation_checkpointing = true / false is accepted; the resolved config stores the policy name.
     ac = mem.activation_checkpointing
     ac = {"true": "full", "false": "none"}.get(str(ac).lower(), ac) if isinstance(ac, (bool, str)) else ac
-    need(ac in ("none", "full", "selective", "pointwise"),
-         "memory.activation_checkpointing must be none, full, selective or pointwise, got "
+    need(ac in ("none", "full", "selective", "pointwise", "auto"),
+         "memory.activation_checkpointing must be auto, none, full, selective or pointwise, got "
          f"{mem.activation_checkpointing!r}")
     mem.activation_checkpointing = ac
     blocks = mem.activation_checkpointing_blocks

@@ -28,7 +28,7 @@ def test_auto_takes_the_delayed_recipe_where_the_memory_plan_fits_it():
     from holotrain.plan.planner import job_config
     from holotrain.train.resolve import delayed_if_it_fits, model_args
 
-    cfg = job_config("1.4b", [])
+    cfg = job_config("1.4b", ["--memory.activation_checkpointing=none"])
     with torch.device("meta"):
         model = Llama(model_args(cfg))
     cuda = torch.device("cuda")

@@ -90,6 +90,7 @@ def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_ru
     memory.offload_ratio = "auto": the smallest ratio the memory plan fits, agreed by all ranks (the largest of
     their choices), or, when resuming, the run's own choice (the checkpoint's split of optimizer state between
     GPU and host follows it)."""
+    _resolve_checkpointing(cfg, env, micro, accum)
     _resolve_fp8(cfg, env, micro, accum)
     mem = cfg.memory
     if mem.offload_ratio != "auto":
@@ -115,6 +116,60 @@ def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_ru
         print(f"holotrain: memory.offload_ratio = auto -> {ratio:g} (the smallest share of the optimizer on the CPU "
               "that the memory plan fits)")
     return cfg
+
+
+def _resolve_checkpointing(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
+    if cfg.memory.activation_checkpointing == "auto":
+        cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks = checkpointing_choice(
+            cfg, env, micro, accum)
+
+
+def with_checkpointing(cfg: Config, env: DistEnv) -> Config:
+    """`cfg` (a copy, when it changes) with memory.activation_checkpointing = "auto" resolved: for callers that
+    resolved only the config sections (the benchmarks build models straight from a preset)."""
+    if cfg.memory.activation_checkpointing != "auto":
+        return cfg
+    policy, blocks = checkpointing_choice(cfg, env, *batch_layout(cfg, data_parallel_size(cfg, env)))
+    return dataclasses.replace(cfg, memory=dataclasses.replace(
+        cfg.memory, activation_checkpointing=policy, activation_checkpointing_blocks=blocks))
+
+
+def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **capacity) -> tuple[str, int]:
+    """memory.activation_checkpointing = "auto": of the policies (and their spreads over the blocks), the one with
+    the least recomputation that the memory plan fits, agreed by all ranks; "full" if none fits, which the memory
+    check then refuses with the numbers. Long sequences are what make it matter: the 1.4b keeps every activation at
+    T = 2048 and recomputes blocks at T = 131072. `capacity`: plan_memory's, in place of this machine's."""
+    mem = cfg.memory
+    from holotrain.memory.activation_checkpointing import recompute_share
+    from holotrain.plan.planner import checkpointing_choices
+
+    n_layers = cfg.model.n_layers
+    choices = sorted(checkpointing_choices(n_layers), key=lambda c: (recompute_share(c[0], n_layers, blocks=c[1]), c))
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    ratio = 1.0 if mem.offload and mem.offload_ratio == "auto" else None
+    pick, plan = len(choices) - 1, None
+    for i, (policy, blocks) in enumerate(choices):
+        trial = dataclasses.replace(cfg, memory=dataclasses.replace(
+            mem, activation_checkpointing=policy, activation_checkpointing_blocks=blocks))
+        plan = plan_memory(model, trial, env.world_size, env.device, micro, accum, ratio=ratio,
+                           local_ranks=env.local_world_size, **capacity)
+        if plan.gpu_fits and plan.host_fits:
+            pick = i
+            break
+    else:
+        pick = next(i for i, c in enumerate(choices) if c == ("full", 0))
+    if env.world_size > 1:
+        agreed = torch.tensor([pick], device=env.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        pick = int(agreed.item())
+    if env.is_main:
+        policy, blocks = choices[pick]
+        where = f" on {blocks} of {n_layers} blocks" if blocks else ""
+        need = f": {plan.gpu_need / 1e9:.1f} of {plan.gpu_capacity / 1e9:.1f} GB" if plan and plan.gpu_capacity else ""
+        print(f"holotrain: memory.activation_checkpointing = auto -> {policy}{where} (the least recomputation the "
+              f"memory plan fits at {micro} x {cfg.data.seq_len} tokens per micro-batch{need})", flush=True)
+    return choices[pick]
 
 
 def _resolve_fp8(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:

@@ -42,6 +42,7 @@ from holotrain.train.resolve import (
     data_parallel_size,
     model_args,
     resolve_job,
+    with_checkpointing,
 )
 from holotrain.train.step import TrainStep, lr_at
 
@@ -56,6 +57,7 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
     lever's compute choices, compilation, FSDP2), then gives it its weights: seeded, or model.init_from's
     (`pretrained`: False when a checkpoint of the run will overwrite them). `cfg` must be resolved (no "auto"
     offload ratio or fp8)."""
+    cfg = with_checkpointing(cfg, env)
     memory = memory or build_memory(cfg.memory, env)
     par = par or build_parallel(cfg.parallel, env)
     precision = build_precision(cfg.training, env, data_parallel_size(cfg, env))
