@@ -20,6 +20,7 @@ RLIMIT_MEMLOCK does not limit it, so the host check covers it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -180,9 +181,10 @@ def gpu_available_bytes(device: torch.device) -> int:
 
 def chunk_tokens(section) -> int:
     """memory.loss_chunk_tokens with auto (0) resolved: 8192 under activation checkpointing (memory first), else 0
-    (the whole micro-batch at once)."""
+    (the whole micro-batch at once). A checkpointing policy still "auto" (chosen when the run starts,
+    train/resolve.py) counts as none."""
     n = section.loss_chunk_tokens
-    if n == 0 and section.activation_checkpointing != "none":
+    if n == 0 and section.activation_checkpointing not in ("none", "auto"):
         n = 8192
     return n
 
@@ -202,33 +204,67 @@ PIECE_BYTES = 7  # per token and vocabulary entry of one piece of the chunked lo
 OFFLOADED_ACTIVATIONS = "saved activations of the first blocks (pinned)"  # the host's entry for activation offload
 
 
+# Terms that grow with the sequence length, not fitted (at T = 2048 they are under 1% of any measured peak) but read off
+# the model (model/llama.py) and its kernels:
+LSE_BYTES = 4  # per token, head and kept block: the attention kernel's fp32 logsumexp (flash, cuDNN and flex alike)
+ROPE_GATHER_BYTES = 8  # per token and head_dim entry: cos and sin gathered per token (fp32) for packed documents
+MASK_BLOCK = 128  # flex_attention's block: the BlockMask holds ~4 int32 tensors of [B, T / 128, T / 128]
+MASK_TENSORS = 4  # kv_indices, full_kv_indices and their transposes for backward (q_indices, full_q_indices)
+NORM_SAVED_BYTES = 8  # per token and dim, the chunked loss: the eager final norm keeps its fp32 input and output
+RING_GRAD_BYTES = 4  # context parallelism's ring (parallel/cp.py): its dQ and travelling dK/dV are fp32
+
+
 @dataclass
 class Activations:
     """The activation memory of one micro-batch, by when it is held (bytes)."""
 
     saved: float  # kept from forward to backward: the blocks' activations and weight casts, checkpoints' inputs
-    loss: float  # the logits (of one piece when the loss is chunked) at the loss
-    recompute: float  # one checkpointed block recomputed in backward, with its backward's buffers
+    loss: float  # at the loss: the logits (of one piece when chunked) and what the loss keeps for its backward
+    recompute: float  # in backward: a block's gradients, one checkpointed block recomputed, and context
+    # parallelism's buffers in flight (a ring's K/V and dK/dV, or the all-to-all's head-sharded q/k/v)
     offloaded: float = 0.0  # saved tensors of the first blocks held in host memory instead (activation offload)
+    held: float = 0.0  # shared by every block until the end of backward: gathered cos/sin, the document mask
 
     @property
     def peak(self) -> float:
-        """At the loss, then into the first recomputed block: the most that is held at once during a step."""
-        return self.saved + self.loss + self.recompute
+        """The most held at once: everything saved, then the larger of the loss (at the end of forward) and the first
+        recomputed block (at the start of backward, once the loss's own tensors are freed)."""
+        return self.saved + self.held + max(self.loss, self.recompute)
+
+
+def cp_size(cfg) -> int:
+    """parallel.cp: the ranks that split each sequence (1 where the config has no such key)."""
+    return max(1, int(getattr(cfg.parallel, "cp", 1) or 1))
+
+
+def cp_mode(cfg) -> str:
+    """parallel.cp_mode with "auto" resolved as the trainer does: all-to-all where the heads of a TP rank (and its kv
+    heads) divide by cp, else the ring."""
+    mode = getattr(cfg.parallel, "cp_mode", "auto")
+    if mode != "auto":
+        return mode
+    m, cp, tp = cfg.model, cp_size(cfg), cfg.parallel.tp
+    return "alltoall" if (m.n_heads // tp) % cp == 0 and (m.n_kv_heads // tp) % cp == 0 else "ring"
 
 
 def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_probs: bool = False) -> Activations:
-    """Estimate of one micro-batch's activations. A block keeps about 7*dim + 2*ffn values per token (SAVED_BYTES
-    with its backward's buffers) and the bf16 casts of its weights (`block_weights`: the device-resident fp32
-    weights of all blocks; a bf16 working copy needs no cast); a checkpointed block keeps only its input and one
-    at a time is recomputed. FP8 blocks keep FP8_ACTIVATIONS of that and no weight casts. With `attention_probs`
-    (a CPU, where the attention is not one fused kernel) a block also keeps its attention's probabilities, heads x
-    seq_len values per token (the default job's host RSS on 2 cores: within 0.07 GB at six settings)."""
+    """Estimate of one micro-batch's activations on one rank. A block keeps about 7*dim + 2*ffn values per token
+    (SAVED_BYTES with its backward's buffers), its attention's fp32 logsumexp (heads per token) and the bf16 casts of
+    its weights (`block_weights`: the device-resident fp32 weights of all blocks; a bf16 working copy needs no cast); a
+    checkpointed block keeps only its input and one at a time is recomputed. FP8 blocks keep FP8_ACTIVATIONS of that
+    and no weight casts. With `attention_probs` (a CPU, where the attention is not one fused kernel) a block also keeps
+    its attention's probabilities, heads x seq_len values per token, and the micro-batch its dense [B, T, T] document
+    mask (the default job's host RSS on 2 cores: within 0.07 GB at six settings); on a GPU the document mask is
+    flex_attention's block-sparse one. Under context parallelism (parallel.cp = N) a rank holds T / N tokens of each
+    sequence, and its attention has the buffers of its mode in flight."""
     m, compiled = cfg.model, cfg.training.compile
-    tokens = micro * cfg.data.seq_len
+    seq, cp = cfg.data.seq_len, cp_size(cfg)
+    tokens = micro * seq / cp  # this rank's
+    head_dim = m.dim // m.n_heads
     ac, blocks = cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks
     per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim) * SAVED_BYTES
-    probs = tokens * elem_bytes * m.n_heads * cfg.data.seq_len if attention_probs else 0.0
+    lse = tokens * m.n_heads * LSE_BYTES
+    probs = tokens * elem_bytes * m.n_heads * seq if attention_probs else 0.0
     recomputed_at = set(checkpointed_blocks(ac, m.n_layers, blocks))
     lean_at = set(pointwise_blocks(ac, m.n_layers, blocks))
     recomputed, lean = len(recomputed_at), len(lean_at)
@@ -249,17 +285,52 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
         cast = tokens * (3 * m.dim + m.ffn_dim) + block_weights / m.n_layers
 
     def kept(n_plain: int, n_lean: int) -> float:
-        return n_plain * (per_block + probs) * fp8 + n_lean * (per_block * lean_share + probs) + (n_plain + n_lean) * cast
+        return (n_plain * ((per_block + probs) * fp8 + lse) + n_lean * (per_block * lean_share + probs + lse)
+                + (n_plain + n_lean) * cast)
 
     offloaded = kept(plain_off, 0)
     saved = kept(plain, lean) - offloaded + recomputed * tokens * elem_bytes * m.dim
-    per_block += probs
+    # Held by every block until the end of backward: cos and sin gathered per token (positions restart per document),
+    # and the whole row's document mask, dense on a CPU, block-sparse on a GPU.
+    held = tokens * head_dim * ROPE_GATHER_BYTES
+    if cp == 1 or cp_mode(cfg) == "alltoall":  # the ring masks each block pair as it comes (cp_buffers)
+        held += micro * seq * seq if attention_probs else (
+            MASK_TENSORS * 4 * micro * math.ceil(seq / MASK_BLOCK) ** 2)
     chunk = loss_chunk_tokens(cfg)
     if chunk and chunk < tokens:
-        loss = chunk * m.vocab_size * PIECE_BYTES
+        # One piece's fp32 logits and their gradient; for the whole micro-batch the gradient of the hidden states
+        # (model/head.py computes it in forward) and what the eager final norm keeps.
+        loss = chunk * m.vocab_size * PIECE_BYTES + tokens * m.dim * (elem_bytes + NORM_SAVED_BYTES)
     else:
         loss = tokens * m.vocab_size * (LOSS_BYTES if compiled and elem_bytes == 2 else EAGER_LOSS_BYTES)
-    return Activations(saved, loss, (per_block * fp8) if recomputed else 0.0, offloaded)
+    # In backward, once the loss's tensors are freed: the gradients a block's backward makes besides what it keeps
+    # (of its output, and the FFN's gate and up), on top of one recomputed block when blocks are checkpointed.
+    recompute = ((per_block + probs) * fp8 + lse) if recomputed else 0.0
+    recompute += tokens * elem_bytes * (m.dim + 2 * m.ffn_dim) + cp_buffers(cfg, micro, elem_bytes)
+    return Activations(saved, loss, recompute, offloaded, held)
+
+
+def cp_buffers(cfg, micro: int, elem_bytes: int) -> float:
+    """Context parallelism's attention buffers in flight during one layer's backward, bytes per rank, as
+    parallel/cp.py allocates them. Ring: the stacked K/V of the block at hand and the one arriving, the fp32 dQ, the
+    fp32 dK/dV of the block at hand, the one arriving and the one leaving, one block pair's fp32 gradients, and with
+    packed documents the pair's dense mask and additive bias ([B, 1, c, c], c = T / 2N). All-to-all: q, k, v and the
+    output re-laid as [B, heads / N, T, head_dim] (the whole sequence, 1/N of the heads), each copied twice on the
+    way (the send and the receive buffer)."""
+    cp = cp_size(cfg)
+    if cp == 1:
+        return 0.0
+    m, tp = cfg.model, cfg.parallel.tp
+    head_dim = m.dim // m.n_heads
+    local = micro * cfg.data.seq_len / cp  # tokens of the micro-batch on this rank
+    q = local * m.n_heads / tp * head_dim  # values of this rank's q (or the attention's output)
+    kv = local * m.n_kv_heads / tp * head_dim  # values of one of its K, V
+    if cp_mode(cfg) == "ring":
+        chunk = cfg.data.seq_len / (2 * cp)
+        pair = (q + 2 * kv) / 2 * RING_GRAD_BYTES  # one (query chunk, key chunk) pair's gradients, fp32
+        masks = micro * chunk * chunk * (1 + elem_bytes)
+        return 4 * kv * elem_bytes + q * RING_GRAD_BYTES + 3 * 2 * kv * RING_GRAD_BYTES + pair + masks
+    return 2 * (2 * q + 2 * kv) * elem_bytes
 
 
 @dataclass
@@ -273,6 +344,7 @@ class Plan:
     host_per_param: dict[str, int]  # bytes per offloaded parameter in host memory, by what they hold
     gpu_capacity: float | None
     host_capacity: float
+    activations: dict[str, float] = field(default_factory=dict)  # what "activations (estimate)" holds, by part
 
     @property
     def host_bytes_per_param(self) -> int:
@@ -319,6 +391,8 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
                         for _, p in u.params) * per_rank
     acts = activations(cfg, micro, elem, block_weights, attention_probs=not cuda)
     gathered = 2 * biggest * elem if world_size > 1 else 0  # FSDP2 keeps about two blocks unsharded
+    m = cfg.model
+    rope = 2 * (m.max_seq_len or cfg.data.seq_len) * (m.dim // m.n_heads) * 4  # the fp32 cos and sin buffers
 
     host_per_param = {"fp32 master": 4, "AdamW moments": 8, "gradient staging (pinned)" if cuda else "gradient staging": working}
     if accum > 1 and world_size == 1:
@@ -335,14 +409,19 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
         # the micro-batches before when they accumulate), or at the end of backward, with every gradient.
         grads = n_dev * per_rank * 4
         at_loss = (grads if accum > 1 else 0.0) + acts.peak
-        at_end = grads + acts.recompute
+        at_end = grads + acts.recompute + acts.held
         if at_loss >= at_end:
             if accum > 1 and grads:
                 gpu["fp32 gradients (accumulating)"] = grads
             gpu["activations (estimate)"] = acts.peak
+            parts = {"saved by the blocks": acts.saved, "cos/sin and document mask": acts.held}
+            parts.update({"the loss": acts.loss} if acts.loss >= acts.recompute else
+                         {"recomputed block and attention buffers": acts.recompute})
         else:
             gpu["fp32 gradients"] = grads
-            gpu["activations (estimate)"] = acts.recompute
+            gpu["activations (estimate)"] = acts.recompute + acts.held
+            parts = {"recomputed block and attention buffers": acts.recompute, "cos/sin and document mask": acts.held}
+        gpu["rotary tables"] = rope
         if gathered:
             gpu["gathered blocks (FSDP2)"] = gathered
         if acts.offloaded:
@@ -360,6 +439,10 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     else:
         host["weights, gradients and AdamW"] = n_dev * per_rank * (8 + moments)
         host["activations (estimate)"] = acts.peak + acts.offloaded
+        host["rotary tables"] = rope
+        parts = {"saved by the blocks": acts.saved + acts.offloaded, "cos/sin and document mask": acts.held,
+                 "the loss" if acts.loss >= acts.recompute else "recomputed block and attention buffers":
+                 max(acts.loss, acts.recompute)}
         if mem.offload:
             host_per_param["working weight"] = working
             host["offloaded masters, moments and staging"] = n_cpu * per_rank * sum(host_per_param.values())
@@ -371,7 +454,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     if host_capacity is None:
         host_capacity = host_available_bytes() / max(1, local_ranks) * HOST_USABLE
     return Plan(n_total, n_cpu, ratio, gpu, host, pinned, host_per_param, gpu_capacity if cuda else None,
-                host_capacity)
+                host_capacity, parts)
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,24 +5,30 @@ terms; this module sums them.
 Memory is the memory plan's (memory/plan.py: weights, gradients, optimizer state, activations with FP8's share,
 pinned buffers, at the step's peak moment). Time is summed from phases:
 
-  compute     the step's matmul FLOPs at this machine's measured GEMM rate, times an efficiency that trials
-              calibrate (the rest of a step: attention kernels, norms, launches); activation checkpointing adds
-              its recomputation (memory/activation_checkpointing.py: recompute_share), FP8 divides by its
-              measured gain (precision/lever.py: matmul_time)
+  compute     the GPU's work (Prediction.parts splits it): the linear layers' GEMMs at this machine's measured GEMM
+              rate times an efficiency that trials calibrate (the rest of a step beside them: norms, launches),
+              divided by FP8's measured gain (precision/lever.py: matmul_time); attention's T x T products as the
+              kernels do them, causal and masked per document, at the attention kernels' own rate
+              (plan/attention.py); and what activation checkpointing recomputes of both
+              (memory/activation_checkpointing.py: recompute_share; the recomputed blocks' attention forward)
   micro       what issuing the micro-batches adds: on a GPU the host issues one micro-batch's kernels while the
               GPU runs the one before (a smooth maximum of the two, micro_time), on a CPU a fixed cost each; the
               host's time is fitted with the efficiency once two trials' micro-batch counts are 4x apart
               (fit_compute)
   offload     the CPU step's exposed part by the engine's overlap rule (memory/offload/cost.py), its measured
               share calibrated by trials
+  optimizer   on a GPU, the device AdamW step of the parameters it updates (memory-bound; measured on an H200)
   tp, fsdp    with several ranks: tensor parallelism's exposed collectives and FSDP2's unhidden part, the bytes
               from parallel/cost.py at the node's link rate (calibrated by trials)
+  cp          context parallelism's exposed communication: the ring's hops beyond the attention that hides them, or
+              the all-to-alls (plan/attention.py)
   checkpoint  a save's blocking time (train/checkpointer.py: save_blocking_s), spread over the save interval
   data        the wait for the data plane where its loaders (data.workers of them at most) cannot keep up, at the
               tokens/s per loader a trial measured when it waited; none before one did
 
-Calibration: each trial's measured step time (and CPU step, with offload) rescales the term it depends on, so the
-candidates not tried are predicted with what the tried ones measured."""
+Calibration: each trial's measured step time (and CPU step, with offload) rescales the term it depends on (the GEMM
+efficiency, or the attention rate where attention outlasts the GEMMs), so the candidates not tried are predicted
+with what the tried ones measured."""
 
 from __future__ import annotations
 
@@ -33,19 +39,37 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from holotrain.memory.activation_checkpointing import recompute_share
+from holotrain.memory.activation_checkpointing import checkpointed_blocks, recompute_share
 from holotrain.memory.activation_offload import OUT_BYTES_S, exposed_copy_s
 from holotrain.memory.offload.cost import ADAMW_IN_TRAINING, exposed_cpu_step
-from holotrain.memory.plan import GPU_USABLE, OFFLOADED_ACTIVATIONS, Plan, gpu_usable_share, plan_memory
+from holotrain.memory.plan import (
+    GPU_USABLE,
+    OFFLOADED_ACTIVATIONS,
+    Plan,
+    cp_mode,
+    cp_size,
+    gpu_usable_share,
+    plan_memory,
+)
 from holotrain.model import flops_per_token
+from holotrain.model.llama import ATTENTION_FORWARD_SHARE
+from holotrain.plan.attention import ATTENTION_SHARE, attention_seconds, cp_exposed_seconds
 from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
 from holotrain.precision.lever import FP8_HOST, matmul_time
 from holotrain.train.checkpointer import save_blocking_s
 from holotrain.train.resolve import model_args
 
-# Priors until a trial measures them. The GEMM efficiency: the share of the machine's GEMM rate a whole step
-# reaches (the 1.4b compiled on an H200: 555 of 658 TFLOP/s sustained); eager steps launch more, smaller kernels.
-EFFICIENCY = {("cuda", True): 0.84, ("cuda", False): 0.70, ("cpu", True): 0.5, ("cpu", False): 0.5}
+# Priors until a trial measures them. The GEMM efficiency: the share of the machine's GEMM rate the linear layers'
+# GEMMs reach in a step, with what runs beside them (norms, rotary, launches); attention and the optimizer's step are
+# terms of their own. Compiled, it keeps the 1.4b's step on an H200 (B=8, T=2048: 0.27 s, of which about 29 ms of
+# attention and 13 ms of AdamW) where the model that counted all of it at 0.84 of the GEMM rate had it; eager steps
+# launch more, smaller kernels.
+EFFICIENCY = {("cuda", True): 0.86, ("cuda", False): 0.70, ("cpu", True): 0.5, ("cpu", False): 0.5}
+# The device AdamW's seconds per parameter on an H200: the 1.4b's (1.364B parameters) fused step took 12.9 ms, with
+# memory.adamw_moments = "bf16" 7.0 ms (bench/RESULTS.md); it is bound by memory bandwidth, about 28 and 20 bytes a
+# parameter. On a CPU it is left in the compute's efficiency.
+DEVICE_ADAMW_S_PER_PARAM = {"fp32": 12.9e-3 / 1.364e9, "bf16": 7.0e-3 / 1.364e9}
+COMM_PHASES = ("tp", "fsdp", "cp")  # the phases of collectives between ranks
 # The host's seconds to issue one micro-batch's kernels, per block: on an H200, compiled, 2.3 ms with the 125m and
 # with the 1.4b alike, at micro-batches small enough for it to set the pace (bench/RESULTS.md); eager issues several
 # times more (not measured). A GPU runs one micro-batch while the host issues the next, so a micro-batch takes about
@@ -74,6 +98,12 @@ class Machine:
     power_w: float | None  # the GPU's power limit: J/token when the run draws it
     fp8: bool  # FP8 matmuls available (sm_89+)
     runtime_bytes: float = 0.0  # host memory a training process holds before its model (torch, CUDA context)
+    attention_flops: float = 0.0  # a causal SDPA's forward + backward FLOP/s at a long sequence (0: not measured)
+
+    @property
+    def attention_rate(self) -> float:
+        """The dense causal attention kernel's FLOP/s: measured, or ATTENTION_SHARE of the GEMM rate."""
+        return self.attention_flops or ATTENTION_SHARE[self.device] * self.gemm_flops
 
     @property
     def fingerprint(self) -> str:
@@ -101,6 +131,12 @@ class Calibration:
     link_bytes_s: float | None = None  # measured collective rate between ranks
     power_w: float | None = None  # measured average power under load
     loader_tokens_s: float | None = None  # the data plane's tokens/s per loader, measured by a trial that waited
+    attention_scale: float | None = None  # measured attention seconds against the model's (an attention-bound trial)
+    # The job's documents: the share of micro-batches with a document boundary (flex_attention) and the share of the
+    # causal triangle their mask leaves (plan/attention.py: doc_density). The defaults, 0 and 1, are long documents:
+    # every row one document's piece, on the dense causal kernel.
+    masked_share: float = 0.0
+    attention_density: float = 1.0
 
 
 @dataclass
@@ -109,7 +145,7 @@ class Prediction:
     host_bytes: float
     fits: bool
     why_not: str  # "" when it fits
-    phases: dict[str, float]  # seconds per step: compute, micro, offload, checkpoint
+    phases: dict[str, float]  # seconds per step: compute, micro, optimizer, offload, tp, fsdp, cp, checkpoint, data
     tokens_per_step: int
     flops_per_step: float
     peak_flops: float | None
@@ -119,6 +155,32 @@ class Prediction:
     ranks: int = 1  # processes (GPUs) of the step: MFU is per GPU
     memory: dict[str, float] = field(default_factory=dict)  # component -> bytes (GPU, or host on a CPU)
     host_s: float = 0.0  # the host's seconds per micro-batch (bf16's: FP8's are FP8_HOST times more)
+    # phases["compute"] by what runs: the linear layers' GEMMs (the head's included), attention's T x T products, and
+    # what activation checkpointing runs again of each
+    linear_s: float = 0.0
+    attention_s: float = 0.0
+    recompute_gemm_s: float = 0.0
+    recompute_attention_s: float = 0.0
+    activations: dict[str, float] = field(default_factory=dict)  # the activations' bytes by part (memory/plan.py)
+
+    @property
+    def gemm_total_s(self) -> float:
+        return self.linear_s + self.recompute_gemm_s
+
+    @property
+    def attention_total_s(self) -> float:
+        return self.attention_s + self.recompute_attention_s
+
+    @property
+    def parts(self) -> dict[str, float]:
+        """Where the step's seconds go: the linear layers' GEMMs, attention, recomputation, the optimizer, the
+        communication between ranks, the host's issuing beyond the GPU's work, then the other phases."""
+        ph = self.phases
+        out = {"linear GEMMs": self.linear_s, "attention": self.attention_s,
+               "recompute": self.recompute_gemm_s + self.recompute_attention_s, "optimizer": ph.get("optimizer", 0.0),
+               "communication": sum(ph.get(k, 0.0) for k in COMM_PHASES), "host issue": ph.get("micro", 0.0)}
+        out.update({k: v for k, v in ph.items() if k not in ("compute", "micro", "optimizer", *COMM_PHASES)})
+        return out
 
     @property
     def step_s(self) -> float:
@@ -146,10 +208,11 @@ def _memory(model, cfg, machine: Machine, micro: int, accum: int, ranks: int) ->
     gpu = machine.gpu_memory * gpu_usable_share(cfg) / GPU_USABLE if machine.gpu_memory else machine.gpu_memory
     plan = plan_memory(model, cfg, ranks, device, micro, accum, gpu_capacity=gpu,
                        host_capacity=machine.host_memory / ranks, local_ranks=ranks)
-    key = "activations (estimate)"
+    key, share = "activations (estimate)", tp_activation_share(cfg.parallel.tp)
     for parts in (plan.gpu, plan.host):
         if key in parts:
-            parts[key] *= tp_activation_share(cfg.parallel.tp)
+            parts[key] *= share
+    plan.activations = {k: v * share for k, v in plan.activations.items()}
     if machine.runtime_bytes:
         plan.host["runtime (measured)"] = machine.runtime_bytes
     return plan
@@ -159,8 +222,8 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     """The candidate `cfg` (resolved; per rank micro-batch `micro` x `accum` per step, on `ranks` processes of this
     machine, cfg.parallel.tp of them per model replica) on `machine`."""
     t, m = cfg.training, cfg.model
-    tp = cfg.parallel.tp
-    dp = ranks // tp
+    tp, cp = cfg.parallel.tp, cp_size(cfg)
+    dp = ranks // (tp * cp)
     plan = _memory(model, cfg, machine, micro, accum, ranks)
     why = []
     if not plan.gpu_fits:
@@ -168,27 +231,44 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     if not plan.host_fits:
         why.append(f"host needs {plan.host_need / 1e9:.1f} GB of {plan.host_capacity / 1e9:.1f}")
 
-    tokens = micro * accum * dp * cfg.data.seq_len
-    per_token = flops_per_token(model_args(cfg), cfg.data.seq_len)
-    flops = per_token * tokens
-    blocks_share = 1 - 6 * m.dim * m.vocab_size / per_token  # the head's 6 FLOPs per weight are not recomputed
-    # Each lever's terms: activation checkpointing's recomputation, FP8's matmul gain, offload's exposed CPU step
-    # (every early step clips with grad_clip > 0: the conservative case), a save's blocking time.
-    body = flops * (1 + recompute_share(cfg.memory.activation_checkpointing, m.n_layers, blocks_share,
-                                        cfg.memory.activation_checkpointing_blocks))
+    seq = cfg.data.seq_len
+    tokens = micro * accum * dp * seq
+    args = model_args(cfg)
+    flops = flops_per_token(args, seq) * tokens  # MFU's count (attention over the full square)
+    linear = flops_per_token(args, 0)  # the linear layers' FLOPs per token (6 per weight)
+    blocks_share = 1 - 6 * m.dim * m.vocab_size / linear  # the head's 6 FLOPs per weight are not recomputed
+    ac, ac_blocks = cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks
     key = (machine.device, t.compile)
     eff = calib.efficiency.get(key, EFFICIENCY[key])
-    compute = matmul_time(body / ranks / (machine.gemm_flops * eff), t.fp8, calib.fp8_gain)
+    gemm_s = linear * tokens / ranks / (machine.gemm_flops * eff)
+    linear_s = matmul_time(gemm_s, t.fp8, calib.fp8_gain)
+    # Activation checkpointing's recomputation: the GEMMs of a third of the recomputed blocks' FLOPs ("pointwise":
+    # its memory-bound share), and the forward of their attention.
+    recompute_gemm_s = matmul_time(gemm_s * recompute_share(ac, m.n_layers, blocks_share, ac_blocks), t.fp8,
+                                   calib.fp8_gain)
+    whole = len(checkpointed_blocks(ac, m.n_layers, ac_blocks)) / m.n_layers
+    mode = cp_mode(cfg) if cp > 1 else ""
+    attention_s = attention_seconds(args, seq, tokens / ranks, machine.attention_rate, calib.attention_density,
+                                    calib.masked_share, ring=mode == "ring") * (calib.attention_scale or 1.0)
+    recompute_attention_s = attention_s * whole * ATTENTION_FORWARD_SHARE
+    compute = linear_s + recompute_gemm_s + attention_s + recompute_attention_s
     host = host_seconds(calib, key, m.n_layers)
-    # "micro": what issuing the micro-batches adds to their matmuls.
+    # "micro": what issuing the micro-batches adds to their GPU work.
     phases = {"compute": compute,
               "micro": micro_time(compute / accum, host * host_factor(t.fp8), machine.device) * accum - compute}
+    if machine.device == "cuda":  # on a CPU the optimizer's step is in the compute's efficiency
+        per_param = DEVICE_ADAMW_S_PER_PARAM[cfg.memory.adamw_moments]
+        phases["optimizer"] = (plan.n_params - (plan.n_offloaded if cfg.memory.offload else 0)) / ranks * per_param
     if ranks > 1:
         link = calib.link_bytes_s or LINK_BYTES_S[machine.device]
-        # TP's collectives without overlap are exposed; FSDP2's hide behind compute but for the first gather.
-        phases["tp"] = tp_bytes_per_step(micro * cfg.data.seq_len, m.dim, m.n_layers, tp, accum) / link
-        fsdp = fsdp_bytes_per_step(plan.n_params, dp, tp) / link
+        # TP's collectives without overlap are exposed; FSDP2's (over dp and cp) hide behind compute but for the first
+        # gather; context parallelism's as its mode hides them (plan/attention.py).
+        phases["tp"] = tp_bytes_per_step(micro * seq // cp, m.dim, m.n_layers, tp, accum) / link
+        fsdp = fsdp_bytes_per_step(plan.n_params, dp * cp, tp) / link
         phases["fsdp"] = fsdp / (m.n_layers + 1) + max(0.0, fsdp - compute)
+        if cp > 1:
+            elem = 4 if t.dtype == "fp32" else 2
+            phases["cp"] = cp_exposed_seconds(args, mode, cp, tp, micro, seq, accum, elem, attention_s, whole, link)
     moved = plan.host.get(OFFLOADED_ACTIVATIONS, 0.0)  # activation offload: one micro-batch's saved tensors
     if moved:
         forward = compute / accum / 3
@@ -219,7 +299,23 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     memory = plan.gpu if machine.device == "cuda" else plan.host
     return Prediction(plan.gpu_need if machine.device == "cuda" else None, plan.host_need, not why, "; ".join(why),
                       phases, tokens, flops, machine.peak_flops, calib.power_w or machine.power_w, offloaded,
-                      save_s, ranks, dict(memory), host)
+                      save_s, ranks, dict(memory), host, linear_s, attention_s, recompute_gemm_s,
+                      recompute_attention_s, dict(plan.activations))
+
+
+def describe(p: Prediction) -> list[str]:
+    """Two lines: the predicted step time by where it goes, and the predicted peak memory by what holds it."""
+    parts = [f"{v:.3f} {k}" for k, v in p.parts.items() if v >= 0.0005]
+    gb = p.gpu_bytes if p.gpu_bytes is not None else p.host_bytes
+    held = []
+    for k, v in p.memory.items():
+        if k == "activations (estimate)" and p.activations:
+            inner = ", ".join(f"{w / 1e9:.2f} {name}" for name, w in p.activations.items() if w >= 0.005e9)
+            held.append(f"{v / 1e9:.2f} activations ({inner})")
+        elif v >= 0.005e9:
+            held.append(f"{v / 1e9:.2f} {k}")
+    return [f"step {p.step_s:.3f} s = " + " + ".join(parts),
+            f"peak {'GPU' if p.gpu_bytes is not None else 'host'} memory {gb / 1e9:.2f} GB = " + " + ".join(held)]
 
 
 def host_seconds(calib: Calibration, key: tuple, n_layers: int) -> float:
@@ -249,30 +345,31 @@ def gpu_seconds(measured_s, host_s, device: str):
 
 
 def fit_compute(calib: Calibration, key: tuple, work_s: float, micros: int, measured_s: float,
-                factor: float = 1.0, prior_host_s: float | None = None) -> None:
-    """Adds a trial (its matmul seconds at the full GEMM rate, its micro-batches per step, its step time less the
-    other phases, its host time's factor: FP8_HOST with FP8) and refits `key` = (device, compiled) over all of them:
-    the GEMM efficiency by least squares, for the host's seconds per micro-batch that fit the trials best (a golden-
-    section search); that is fitted only once the trials' micro-batches per step differ by 4x or more (closer, the
-    difference of two step times is mostly noise), and kept as it was where the best fit would be none at all."""
+                factor: float = 1.0, prior_host_s: float | None = None, fixed_s: float = 0.0) -> None:
+    """Adds a trial (its GEMM seconds at the full GEMM rate, its micro-batches per step, its step time less the
+    other phases, its host time's factor: FP8_HOST with FP8, its GPU seconds that do not scale with the GEMM
+    efficiency: attention) and refits `key` = (device, compiled) over all of them: the GEMM efficiency by least
+    squares, for the host's seconds per micro-batch that fit the trials best (a golden-section search); that is fitted
+    only once the trials' micro-batches per step differ by 4x or more (closer, the difference of two step times is
+    mostly noise), and kept as it was where the best fit would be none at all."""
     obs = calib.steps.setdefault(key, [])
-    obs.append((work_s, micros, measured_s, factor))
-    w, n, y, f = (np.array(column, dtype=np.float64) for column in zip(*obs))
+    obs.append((work_s, micros, measured_s, factor, fixed_s))
+    w, n, y, f, a = (np.array(column, dtype=np.float64) for column in zip(*obs))
     device = key[0]
 
     def efficiency_for(host: float) -> float:
-        g = n * gpu_seconds(y / n, host * f, device)  # the matmuls' measured seconds, given the host's
+        g = n * gpu_seconds(y / n, host * f, device) - a  # the GEMMs' measured seconds, given the host's
         return float(g @ w / (w @ w))  # 1 / efficiency
 
     def misfit(host: float) -> float:
-        return float((((n * micro_time(w / n * efficiency_for(host), host * f, device)) / y - 1) ** 2).sum())
+        return float((((n * micro_time((w * efficiency_for(host) + a) / n, host * f, device)) / y - 1) ** 2).sum())
 
     host = calib.micro_s.get(key, MICRO_S.get(device, 0.0) if prior_host_s is None else prior_host_s)
     if n.max() >= 4 * n.min():
         lo, hi = 0.0, float((y / n / f).min())
         for _ in range(80):
-            a, b = lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618
-            lo, hi = (lo, b) if misfit(a) <= misfit(b) else (a, hi)
+            a_, b_ = lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618
+            lo, hi = (lo, b_) if misfit(a_) <= misfit(b_) else (a_, hi)
         if lo > 1e-9:  # else the best fit is no host time at all: noise, keep the one it had
             host = (lo + hi) / 2
     inv_eff = efficiency_for(host)

@@ -2,6 +2,10 @@
 
   gemm_flops      a large dense GEMM held for about two seconds, so that a power-capped GPU has settled at its
                   sustained clock (an H200 at 700 W runs ~17% below its first 0.1 s); fp32 on a CPU
+  attention_flops on a GPU, right after the GEMMs (clocks settled): causal SDPA forward and backward in bf16 at
+                  T = 16384 (16 heads of 128, the kernel torch picks for the model's unmasked micro-batches), FLOPs
+                  counted as the time model counts them (model/llama.py: attention_flops_per_token); not measured on
+                  a CPU (the prior, plan/attention.py: ATTENTION_SHARE of the GEMM rate)
   host_copy_bytes_s  a large host-to-host copy: what a save of host-resident state blocks for
   adamw_params_s  the offload engine's own CPU AdamW (memory/offload/kernels.py) on 16M parameters, on the
                   threads the engine would use
@@ -32,7 +36,7 @@ from holotrain.memory.plan import (
 from holotrain.plan.cost import Machine, fingerprint
 
 _GEMM_S = 2.0
-_VERSION = 2  # of what is measured: a cache of another version is measured afresh
+_VERSION = 3  # of what is measured: a cache of another version is measured afresh
 
 
 def _cache_file(cache: Path) -> Path:
@@ -64,6 +68,30 @@ def _gemm_rate(device: torch.device) -> float:
             torch.cuda.synchronize(device)
         rates.append(8 * 2 * n ** 3 / (time.perf_counter() - t0))
     settled = rates[len(rates) // 2:]  # the second half: after the clocks settled
+    return sorted(settled)[len(settled) // 2]
+
+
+def _attention_rate(device: torch.device) -> float:
+    """Causal attention's FLOP/s, forward and backward, on a GPU (0 on a CPU: the cost model takes its prior)."""
+    if device.type != "cuda":
+        return 0.0
+    import torch.nn.functional as F
+
+    from holotrain.model.llama import LlamaArgs, attention_flops_per_token
+
+    T, heads, head_dim = 16384, 16, 128
+    q, k, v = (torch.randn(1, heads, T, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(1, heads, T, head_dim, device=device, dtype=torch.bfloat16)
+    work = attention_flops_per_token(LlamaArgs(dim=heads * head_dim, n_layers=1, n_heads=heads), T) * T
+    rates, start = [], time.perf_counter()
+    while time.perf_counter() - start < 1.0 or len(rates) < 4:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        torch.cuda.synchronize(device)
+        rates.append(4 * work / (time.perf_counter() - t0))
+    settled = rates[len(rates) // 2:]
     return sorted(settled)[len(settled) // 2]
 
 
@@ -139,8 +167,8 @@ def measure_machine(device: torch.device, gpu_memory_gb: float, cache: Path) -> 
         cached = {}
     rates = cached.get(key)
     if rates is None:
-        rates = {"gemm_flops": _gemm_rate(device), "adamw_params_s": _adamw_rate(),
-                 "host_copy_bytes_s": _copy_rate(), "power_w": _power_limit_w(device)}
+        rates = {"gemm_flops": _gemm_rate(device), "attention_flops": _attention_rate(device),
+                 "adamw_params_s": _adamw_rate(), "host_copy_bytes_s": _copy_rate(), "power_w": _power_limit_w(device)}
         cached[key] = rates
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
@@ -153,4 +181,5 @@ def measure_machine(device: torch.device, gpu_memory_gb: float, cache: Path) -> 
         fp8 = torch.cuda.get_device_capability(device) >= (8, 9)
     return Machine(device.type, name, total, gpu_memory, host_available_bytes() * HOST_USABLE, rates["gemm_flops"],
                    peak_bf16_flops(device) if device.type == "cuda" else None, rates["adamw_params_s"],
-                   rates.get("host_copy_bytes_s", 10e9), rates["power_w"], fp8, _runtime_bytes())
+                   rates.get("host_copy_bytes_s", 10e9), rates["power_w"], fp8, _runtime_bytes(),
+                   rates.get("attention_flops", 0.0))

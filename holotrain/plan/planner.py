@@ -4,7 +4,8 @@ is chosen), and the best measured written as an overlay, plan.toml, with every c
 
 The candidates (one process, one GPU or the CPU): micro-batch (and so gradient accumulation), activation
 checkpointing, loss chunking, memory.offload and its ratio, FP8 where the GPU has it, and compilation, on a GPU;
-micro-batch and activation checkpointing on a CPU. The checkpoint interval is not a candidate: it follows from
+micro-batch and activation checkpointing on a CPU. With several processes also tensor parallelism's size and, from
+CP_MIN_SEQ tokens a sequence, context parallelism's size and mode (ring, all-to-all), FSDP2 over the rest. The checkpoint interval is not a candidate: it follows from
 the chosen setting's save cost and job.mtbf_hours (Young/Daly). Nor is data.workers: the plane starts loaders as
 training needs them, up to that many; the plan raises the cap when a trial waited for data and the chosen setting
 would need more loaders at the rate they were measured."""
@@ -27,11 +28,13 @@ from holotrain.memory.activation_checkpointing import POLICIES
 from holotrain.memory.plan import usable_cores
 from holotrain.model import Llama
 from holotrain.plan.cost import (
+    COMM_PHASES,
     EFFICIENCY,
     LINK_BYTES_S,
     Calibration,
     Machine,
     Prediction,
+    describe,
     fit_compute,
     gpu_seconds,
     host_factor,
@@ -63,9 +66,10 @@ class Candidate:
         parts = [f"micro {self.micro}x{self.accum}",
                  f"ac {s['memory.activation_checkpointing']}" + (f" on {blocks} blocks" if blocks else "")]
         if self.ranks > 1:
-            tp = s["parallel.tp"]
+            tp, cp = s["parallel.tp"], s.get("parallel.cp", 1)
             parts.insert(0, f"tp {tp}" + (f" ({s['parallel.tp_overlap']})" if tp > 1 else "")
-                         + f" x dp {self.ranks // tp}")
+                         + (f" x cp {cp} ({s['parallel.cp_mode']})" if cp > 1 else "")
+                         + f" x dp {self.ranks // (tp * cp)}")
         if s.get("memory.offload"):
             parts.append(f"offload {s['memory.offload_ratio']:g}")
         if s.get("memory.activation_offload_blocks"):
@@ -111,7 +115,7 @@ def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
 PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing",
                 "memory.activation_checkpointing_blocks", "memory.offload", "memory.offload_ratio", "training.compile",
                 "memory.loss_chunk_tokens", "training.fp8", "parallel.tp", "parallel.tp_overlap",
-                "memory.activation_offload_blocks")
+                "memory.activation_offload_blocks", "parallel.cp", "parallel.cp_mode")
 
 
 def held_settings(cfg: Config, overrides: list[str]) -> dict:
@@ -141,6 +145,27 @@ def checkpointing_choices(n_layers: int) -> list[tuple[str, int]]:
             + [("full", b) for b in some if b != n_layers // 2])
 
 
+# Context parallelism is a candidate from this sequence length on, with several ranks (and where the config has it).
+CP_MIN_SEQ = 8192
+
+
+def _cp_layouts(cfg: Config, ranks: int, tp: int) -> list[tuple[int, str]]:
+    """(cp, cp_mode) for a tensor-parallel size: 1 always; with several ranks and a long sequence, every cp > 1 that
+    divides the ranks left by TP and splits the sequence into 2 x cp x tp equal chunks, with the ring, and with the
+    all-to-all where a rank's heads and kv heads divide by cp."""
+    out = [(1, "auto")]
+    if ranks == 1 or cfg.data.seq_len < CP_MIN_SEQ or not hasattr(cfg.parallel, "cp"):
+        return out
+    m = cfg.model
+    for cp in range(2, ranks // tp + 1):
+        if (ranks // tp) % cp or cfg.data.seq_len % (2 * cp * tp):
+            continue
+        out.append((cp, "ring"))
+        if (m.n_heads // tp) % cp == 0 and (m.n_kv_heads // tp) % cp == 0:
+            out.append((cp, "alltoall"))
+    return out
+
+
 MAX_MICRO = 128  # the largest micro-batch tried; every divisor of the batch up to it is one (12: 1, 2, 3, 4, 6, 12)
 
 
@@ -163,24 +188,26 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
     # optimizer offload's, and without activation checkpointing (whose saved tensors its hooks do not see).
     n = cfg.model.n_layers
     moved = [0] + (sorted({n // 8, n // 4} - {0}) if gpu else [])
-    layouts = [(1, "none")] if ranks == 1 else [
-        (tp, overlap) for tp in _tp_sizes(cfg, ranks)
-        for overlap in (("none", "fused") if gpu and tp > 1 else ("none",))]
+    layouts = [(1, "none", 1, "auto")] if ranks == 1 else [
+        (tp, overlap, cp, mode) for tp in _tp_sizes(cfg, ranks)
+        for overlap in (("none", "fused") if gpu and tp > 1 else ("none",)) for cp, mode in _cp_layouts(cfg, ranks, tp)]
     out = []
-    for (tp, overlap), (ac, blocks), (offload, ratio), fp8, compiled, chunk, act_off in itertools.product(
+    for (tp, overlap, cp, mode), (ac, blocks), (offload, ratio), fp8, compiled, chunk, act_off in itertools.product(
             layouts, checkpointing_choices(cfg.model.n_layers), offloads, fp8s, compiles, (0, 8192), moved):
         if chunk and (ac != "none" or tp > 1):
             continue  # chunked already under activation checkpointing (auto); TP's vocabulary-parallel loss never is
-        if act_off and (offload or tp > 1 or ac != "none"):
+        if act_off and (offload or tp > 1 or cp > 1 or ac != "none"):
             continue
         if tp > 1 and (offload or fp8 == "delayed" or (fp8 != "none" and overlap != "none")):
             continue  # combinations the trainer refuses (config.validate)
-        dp = ranks // tp
+        if cp > 1 and offload:
+            continue
+        dp = ranks // (tp * cp)
         if t.batch_size % dp:
             continue
         per_rank = t.batch_size // dp
         for micro in (m for m in range(1, min(per_rank, MAX_MICRO) + 1) if per_rank % m == 0):
-            if chunk and micro * cfg.data.seq_len <= chunk:
+            if chunk and micro * cfg.data.seq_len // cp <= chunk:
                 continue  # a micro-batch of one piece: the same step as the unchunked loss
             if delayed and dp == 1 and micro != per_rank:
                 continue
@@ -192,6 +219,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
                 settings["training.fp8"] = fp8
             if ranks > 1:
                 settings.update({"parallel.tp": tp, "parallel.tp_overlap": overlap})
+                if hasattr(cfg.parallel, "cp"):
+                    settings.update({"parallel.cp": cp, "parallel.cp_mode": mode})
             out.append(Candidate(settings, micro, per_rank // micro, ranks))
     return out
 
@@ -217,8 +246,9 @@ def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> 
     """Folds a trial's measurements into the calibration. With offload: the CPU AdamW rate from its CPU step, and
     how much of that step was exposed against the model's overlap rule (its step time less the other phases as
     predicted). Without: the GEMM efficiency and the host's seconds per micro-batch of its (device, compiled),
-    fitted over all its trials (cost.fit_compute), or FP8's gain where bf16 trials measured the efficiency already
-    and the trial's matmuls outlast its host time."""
+    fitted over all its trials with attention's seconds apart (cost.fit_compute), or FP8's gain where bf16 trials
+    measured the efficiency already and the trial's GPU work outlasts its host time, or, where attention outlasts
+    the GEMMs (a long sequence), the attention kernels' rate (Calibration.attention_scale)."""
     m = c.measured
     if m.step_s is None:
         return
@@ -237,28 +267,41 @@ def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> 
         return
     p = repredict(c)
     key = (machine.device, bool(c.settings.get("training.compile")))
-    comm = p.phases.get("tp", 0.0) + p.phases.get("fsdp", 0.0)
+    comm = sum(p.phases.get(k, 0.0) for k in COMM_PHASES)
     if comm > 0 and key in calib.efficiency:
         # Compute known from one process: the rest is the collectives, at the rate they really ran.
-        exposed = step_s - _others(p, "tp", "fsdp")
+        exposed = step_s - _others(p, *COMM_PHASES)
         if exposed > 0:
             calib.link_bytes_s = (calib.link_bytes_s or LINK_BYTES_S[machine.device]) * comm / exposed
         return
     fp8 = c.settings.get("training.fp8", "none")
-    # What the matmuls and the issuing of their micro-batches took: the step less the other phases.
+    # What the GPU's work and the issuing of its micro-batches took: the step less the other phases.
     measured = step_s - _others(p, "compute", "micro")
     if measured <= 0:
         return
     host = p.host_s * host_factor(fp8)
-    if fp8 != "none" and any(factor == 1.0 for *_, factor in calib.steps.get(key, [])):
-        # bf16 trials set the efficiency: this one measures FP8's gain, where its matmuls, not the host, set its pace.
-        matmuls = gpu_seconds(measured / c.accum, host, machine.device)  # per micro-batch
-        if matmuls >= host:
-            calib.fp8_gain = (calib.fp8_gain or 1.0) * p.phases["compute"] / (matmuls * c.accum)
-            return
-    # The step's matmul seconds at the full GEMM rate (FP8's over its gain, before any bf16 trial).
-    work = p.phases["compute"] * calib.efficiency.get(key, EFFICIENCY[key])
-    fit_compute(calib, key, work, c.accum, measured, host_factor(fp8), p.host_s)
+    gpu = gpu_seconds(measured / c.accum, host, machine.device) * c.accum  # the GPU's seconds of the step
+    if p.attention_total_s > p.gemm_total_s:
+        # Attention sets this trial's pace (a long sequence): it measures the attention kernels' rate, the GEMMs
+        # taken at their efficiency as calibrated so far.
+        if gpu > p.gemm_total_s:
+            calib.attention_scale = (calib.attention_scale or 1.0) * (gpu - p.gemm_total_s) / p.attention_total_s
+        return
+    # bf16 trials set the efficiency: an FP8 one measures FP8's gain, where its GPU work, not the host, sets its pace.
+    bf16_fitted = any(obs[3] == 1.0 for obs in calib.steps.get(key, []))
+    if fp8 != "none" and bf16_fitted and gpu / c.accum >= host and gpu > p.attention_total_s:
+        calib.fp8_gain = (calib.fp8_gain or 1.0) * p.gemm_total_s / (gpu - p.attention_total_s)
+        return
+    # The step's GEMM seconds at the full GEMM rate (FP8's over its gain, before any bf16 trial); attention apart, at
+    # its predicted seconds, unless those leave the GEMMs under half the time the trial's overall ratio gives them:
+    # then the attention prior is off too, and is scaled by that ratio first.
+    attention = p.attention_total_s
+    ratio = gpu / (p.gemm_total_s + attention)
+    if attention and gpu - attention < 0.5 * ratio * p.gemm_total_s:
+        calib.attention_scale = (calib.attention_scale or 1.0) * ratio
+        attention *= ratio
+    work = p.gemm_total_s * calib.efficiency.get(key, EFFICIENCY[key])
+    fit_compute(calib, key, work, c.accum, measured, host_factor(fp8), p.host_s, attention)
 
 
 @dataclass
@@ -399,8 +442,9 @@ def _nothing_fits(cfg: Config, candidates: list[Candidate], ranks: int) -> str:
 def prediction_dict(p: Prediction) -> dict:
     return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "j_per_token": p.j_per_token,
             "gpu_gb": None if p.gpu_bytes is None else p.gpu_bytes / 1e9, "host_gb": p.host_bytes / 1e9,
-            "phases_s": dict(p.phases), "fits": p.fits, "why_not": p.why_not,
-            "memory_gb": {k: v / 1e9 for k, v in p.memory.items()}}
+            "phases_s": dict(p.phases), "parts_s": p.parts, "fits": p.fits, "why_not": p.why_not,
+            "memory_gb": {k: v / 1e9 for k, v in p.memory.items()},
+            "activations_gb": {k: v / 1e9 for k, v in p.activations.items()}}
 
 
 def _overlay(result: PlanResult) -> dict:
@@ -475,6 +519,8 @@ def print_table(result: PlanResult, limit: int = 12) -> None:
                else "")
     console.print(f"chosen: {result.chosen.label}; checkpoint.every = {result.checkpoint_every} (Young/Daly, "
                   f"{result.blocking_s:.3f} s per save){loaders}; planned in {result.seconds:.0f} s")
+    for line in describe(result.chosen.predicted):
+        console.print(f"predicted for it: {line}", soft_wrap=True)
 
 
 # --------------------------------------------------------------------------------------------------------
