@@ -3,13 +3,13 @@
 #  holotrain  `holotrain train --config 1.4b --data.seq_len=T --training.batch_size=1` at each T of TS (shipped
 #             defaults otherwise: compiled, clipping on, the embedded corpus, activation checkpointing "auto"),
 #             STEPS steps; tokens/s, MFU and peak memory from metrics.jsonl past the first (compiling) interval.
-#  longdocs   the same at LONG_TS with EXTRA_ARGS (e.g. a long-document source option), for attention over long
-#             documents rather than the corpus's short files.
+#  longdocs   the same at LONG_TS (32768) on long documents (the standard library's files joined into ~300k-token
+#             documents), so that attention spans whole rows as in the peer, rather than the corpus's files.
 #  peer       bench/peers.py's plain torch.compile + SDPA loop of the same model (batch 1, random tokens) at each T of
 #             PEER_TS, each in its own process; a T whose process fails (out of memory) is reported as not fitting.
 #  7b         `holotrain train --config 1.4b --model.preset=7b --data.seq_len=32768 --training.batch_size=1`.
 # Usage (repo root, on the GPU machine): bash bench/gpu_long_context.sh OUT_DIR PARTS
-#   env: TS="8192 32768 131072" STEPS=12 PEER_TS="8192 32768 49152 65536" LONG_TS="" EXTRA_ARGS=""
+#   env: TS="8192 32768 131072" STEPS=12 PEER_TS="8192 32768 49152 65536" LONG_TS="32768"
 set -uo pipefail
 out=${1:?output directory}; parts=${2:-holotrain,peer}
 steps=${STEPS:-12}
@@ -29,7 +29,31 @@ if [[ $parts == *holotrain* ]]; then
   for T in ${TS:-8192 32768 131072}; do run "hl-$T" --data.seq_len="$T"; done
 fi
 if [[ $parts == *longdocs* ]]; then
-  for T in ${LONG_TS:-}; do run "long-$T" --data.seq_len="$T" ${EXTRA_ARGS:-}; done
+  # Long documents: the standard library's files joined, in order, into documents of about 1.2 MB of text (about
+  # 300k tokens), so that a row holds one document's piece and attention spans the whole row.
+  mkdir -p /tmp/lc-long
+  python3 - <<'PY'
+import json, sysconfig
+from pathlib import Path
+lib = Path(sysconfig.get_paths()["stdlib"])
+docs, doc = [], []
+for p in sorted(lib.rglob("*.py")):
+    if "site-packages" in p.parts:
+        continue
+    try:
+        doc.append(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        continue
+    if sum(map(len, doc)) > 1_200_000:
+        docs.append("\n\n".join(doc)); doc = []
+with open("/tmp/lc-long/long.jsonl", "w") as f:
+    for d in docs:
+        f.write(json.dumps({"text": d}) + "\n")
+print(f"{len(docs)} long documents, {sum(map(len, docs)) / 1e6:.0f} MB")
+PY
+  { cat holotrain/configs/1.4b.toml; printf '\n[[data.sources]]\nname = "stdlib_long"\npath = "/tmp/lc-long/long.jsonl"\n'; } \
+    > /tmp/lc-long/1.4b-long.toml
+  for T in ${LONG_TS:-32768}; do run "long-$T" --config /tmp/lc-long/1.4b-long.toml --data.seq_len="$T"; done
 fi
 if [[ $parts == *7b* ]]; then
   run 7b-32768 --model.preset=7b --data.seq_len=32768

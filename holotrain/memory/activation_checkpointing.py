@@ -61,6 +61,14 @@ def pointwise_blocks(policy: str, n_layers: int, blocks: int = 0) -> list[int]:
     return policy_blocks(policy, n_layers, blocks) if policy == "pointwise" else []
 
 
+def checkpointing_choices(n_layers: int) -> list[tuple[str, int]]:
+    """(policy, blocks): every policy on its own blocks, and "pointwise" on a quarter, half and three quarters of
+    the blocks, "full" on a quarter and three quarters (on half it is "selective")."""
+    some = sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4} - {0, n_layers})
+    return ([(policy, 0) for policy in POLICIES] + [("pointwise", b) for b in some]
+            + [("full", b) for b in some if b != n_layers // 2])
+
+
 def recompute_share(policy: str, n_layers: int, blocks_share: float = 1.0, blocks: int = 0) -> float:
     """The policy's cost in time: extra matmul work as a share of a step's, each recomputed block running its
     forward (a third of its training FLOPs) again. `blocks_share`: the blocks' share of the step's FLOPs (the output

@@ -462,6 +462,15 @@ def flops_per_token(args: LlamaArgs, seq_len: int) -> int:
     return 6 * linear + 12 * args.n_layers * args.dim * seq_len
 
 
+def attention_pairs(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | int:
+    """Sum over the rows of a micro-batch [B, T] of the squared lengths of their documents (B * T^2 for rows of one
+    document each, doc_ids None): the T x T work by the convention of flops_per_token, each document counted as its
+    own sequence. A document of n tokens holds positions 0 .. n-1, and the sum of 2 i + 1 over them is n^2."""
+    if doc_ids is None:
+        return shape[0] * shape[1] ** 2
+    return (2 * doc_positions(doc_ids) + 1).sum()
+
+
 ATTENTION_FORWARD_SHARE = 2 / 7  # of attention_flops_per_token: forward's 2 of the 7 T x T products
 
 

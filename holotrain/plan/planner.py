@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, parse_overrides, resolve
-from holotrain.memory.activation_checkpointing import POLICIES
+from holotrain.memory.activation_checkpointing import POLICIES, checkpointing_choices
 from holotrain.memory.plan import usable_cores
 from holotrain.model import Llama
 from holotrain.plan.cost import (
@@ -135,14 +135,6 @@ def _keeps(c: Candidate, held: dict) -> bool:
     # An offload ratio is held for the candidates that offload.
     return all(c.settings.get(k, v) == v for k, v in held.items()
                if k != "memory.offload_ratio" or c.settings.get("memory.offload"))
-
-
-def checkpointing_choices(n_layers: int) -> list[tuple[str, int]]:
-    """(policy, blocks): every policy on its own blocks, and "pointwise" on a quarter, half and three quarters of
-    the blocks, "full" on a quarter and three quarters (on half it is "selective")."""
-    some = sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4} - {0, n_layers})
-    return ([(policy, 0) for policy in POLICIES] + [("pointwise", b) for b in some]
-            + [("full", b) for b in some if b != n_layers // 2])
 
 
 # Context parallelism is a candidate from this sequence length on, with several ranks (and where the config has it).

@@ -140,8 +140,7 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
     check then refuses with the numbers. Long sequences are what make it matter: the 1.4b keeps every activation at
     T = 2048 and recomputes blocks at T = 131072. `capacity`: plan_memory's, in place of this machine's."""
     mem = cfg.memory
-    from holotrain.memory.activation_checkpointing import recompute_share
-    from holotrain.plan.planner import checkpointing_choices
+    from holotrain.memory.activation_checkpointing import checkpointing_choices, recompute_share
 
     n_layers = cfg.model.n_layers
     choices = sorted(checkpointing_choices(n_layers), key=lambda c: (recompute_share(c[0], n_layers, blocks=c[1]), c))

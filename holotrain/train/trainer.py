@@ -28,6 +28,7 @@ from holotrain.memory import build as build_memory
 from holotrain.memory import build_optimizer as _build_optimizer
 from holotrain.memory.plan import expandable_segments_reason, gpu_cap_bytes, process_rss_bytes
 from holotrain.model import Llama, flops_per_token, num_params
+from holotrain.model.llama import attention_pairs
 from holotrain.optim import AdamWHyper, StepOptimizer
 from holotrain.precision import build as build_precision
 from holotrain.parallel import DistEnv, init_distributed
@@ -284,7 +285,13 @@ def _global_mean(value: torch.Tensor, env: DistEnv) -> float:
 
 def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum) -> list[dict]:
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
-    flops_per_step = flops_per_token(model_args(cfg), cfg.data.seq_len) * tokens_per_step / env.world_size
+    args = model_args(cfg)
+    # FLOPs for MFU: the linear layers' per token, and attention's from the documents the rows really hold (packed
+    # documents attend only within themselves), 12 * n_layers * dim per (token, key) pair of the full square, as
+    # flops_per_token counts one sequence. A tensor- or context-parallel group shares its rows.
+    linear_per_step = flops_per_token(args, 0) * tokens_per_step / env.world_size
+    attention_per_pair = 12 * args.n_layers * args.dim / (cfg.parallel.tp * cfg.parallel.cp)
+    pairs = torch.zeros((), dtype=torch.float64, device=env.device)  # this rank's, over the interval
     peak = peak_bf16_flops(env.device)
     log_every = cfg.training.log_every
     rows: list[dict] = []
@@ -311,6 +318,8 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
         lr = lr_at(step, cfg)
         profiler.before(done)
         micro_batches, waited = data.next(done)
+        for batch in micro_batches:
+            pairs += attention_pairs(batch[2], batch[0].shape)
         profiler.add("data_wait", waited)
         goodput.data_wait_s += waited
         t_step = time.perf_counter()
@@ -337,7 +346,8 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
             elapsed = time.perf_counter() - interval_start
             hardware.mark(done)
             step_s = elapsed / interval_steps
-            flops_s = flops_per_step / step_s
+            attention_per_step = _global_mean(pairs, env) * attention_per_pair / interval_steps
+            flops_s = (linear_per_step + attention_per_step) / step_s
             if not first_interval:
                 goodput.step_s.append(step_s)
             first_interval = False
@@ -351,6 +361,7 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                 "tokens_per_s": tokens_per_step / step_s,
                 "tflops": flops_s / 1e12,
                 "mfu": flops_s / peak if peak else None,
+                "attention_flops_share": attention_per_step / (linear_per_step + attention_per_step),
                 "step_s": step_s,
                 # time.data_wait, time.forward, time.backward, time.optimizer (+ levers' own phases)
                 **profiler.metrics(interval_steps),
@@ -382,6 +393,7 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                     f"is kept in {cfg.run_dir / 'checkpoints'}. Lower training.lr or check the data."
                 )
             loss_sum.zero_()
+            pairs.zero_()
             interval_steps = 0
             interval_start = time.perf_counter()
 
