@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, parse_overrides, resolve
-from holotrain.memory.activation_checkpointing import POLICIES, checkpointing_choices
+from holotrain.memory.activation_checkpointing import checkpointing_choices
 from holotrain.memory.plan import usable_cores
 from holotrain.model import Llama
 from holotrain.plan.cost import (
