@@ -75,7 +75,8 @@ class ModelConfig(_Section):
 @dataclass
 class DataConfig(_Section):
     # [[data.sources]] tables (name, path, weight, weight_schedule, text_field, format = "text" | "chat",
-    # messages_field, prompt_field, response_field); none: the embedded corpus, two sources built from this Python's
+    # messages_field, prompt_field, response_field, document = "record" | "directory", path_field; see
+    # holotrain/data/sources.py); none: the embedded corpus, two sources built from this Python's
     # standard library (code, and docstrings as prose).
     sources: list = field(default_factory=list)
     seq_len: int = 256
@@ -86,7 +87,9 @@ class DataConfig(_Section):
     workers: int = 4  # most loader processes per node, over all sources (they scale with demand)
     chunk_mb: float = 1.0  # unit of work of a loader
     prefetch_steps: int = 4  # steps the plane builds ahead of training
-    balance: bool = True  # balance attention cost across data-parallel ranks
+    # Balance attention cost (sum of squared document lengths) across data-parallel ranks in every micro-batch, reaching
+    # up to 4 steps ahead when the step's own samples cannot be evened (data/packing.py StepFormer); false: in order.
+    balance: bool = True
     shuffle: bool = True  # chunk order shuffled per epoch
     log_samples: bool = False  # write RUN_DIR/samples.jsonl: the documents of every sample (rank 0's)
     backend: str = "local"  # loader processes: "local", or "ray" actors (pip install holotrain[ray])

@@ -158,15 +158,18 @@ BACKENDS = ["local", pytest.param("ray", marks=pytest.mark.skipif(
     __import__("importlib").util.find_spec("ray") is None, reason="ray not installed"))]
 
 
-def _constructor(tmp_path, weights, global_batch, seq_len=32, max_workers=2, backend="local"):
+def _constructor(tmp_path, weights, global_batch, seq_len=32, max_workers=2, backend="local", world_size=1,
+                 balance=True, max_words=12):
     srcs = []
     for i, (name, w) in enumerate(weights.items()):
-        write_jsonl(tmp_path / f"{name}.jsonl", 3000, name, seed=i)
+        if not (tmp_path / f"{name}.jsonl").exists():
+            write_jsonl(tmp_path / f"{name}.jsonl", 3000, name, seed=i, max_words=max_words)
         srcs.append(SourceConfig(name=name, path=str(tmp_path / f"{name}.jsonl"), weight=w))
     tok, tok_path = prepare_tokenizer(srcs, "", 300, 0.2, tmp_path / "cache")
     spec = PlaneSpec(sources=srcs, tokenizer_path=str(tok_path), eos_id=0, pad_id=1, seq_len=seq_len,
-                     global_batch=global_batch, world_size=1, local_ranks=[0], micro_batch=global_batch, accum=1,
-                     seed=0, max_workers=max_workers, chunk_bytes=20_000, backend=backend)
+                     global_batch=global_batch, world_size=world_size, local_ranks=list(range(world_size)),
+                     micro_batch=global_batch // world_size, accum=1, seed=0, max_workers=max_workers,
+                     chunk_bytes=20_000, backend=backend, balance=balance)
     files = [source_files(s) for s in srcs]
     if backend == "ray":
         from holotrain.data.ray_backend import RayLoaderPool
@@ -192,23 +195,49 @@ def test_realized_mixture_within_one_percent_over_10k_samples(tmp_path, backend)
     assert np.abs(actual / actual.sum() - [0.6, 0.3, 0.1]).max() < 0.01
 
 
-def test_constructor_state_resumes_the_same_sequence(tmp_path):
-    first, pool1 = _constructor(tmp_path, {"a": 0.5, "b": 0.5}, global_batch=16)
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_constructor_state_resumes_the_same_sequence(tmp_path, world_size):
+    """With 4 data-parallel ranks, documents up to several samples long: cost balancing holds samples back in its
+    window, and the state carries them, so the resumed constructor hands every rank the same samples."""
+    kw = {"world_size": world_size, "max_words": 60 if world_size > 1 else 12}
+    batch = 4 if world_size > 1 else 16  # one sample per rank: what the window is for
+    first, pool1 = _constructor(tmp_path, {"a": 0.5, "b": 0.5}, global_batch=batch, **kw)
     try:
         for _ in range(5):
             first.produce()
         state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint stores
-        expected = [first.produce()["ranks"][0]["arrays"][0] for _ in range(5)]
+        expected = [[out["ranks"][r]["arrays"] for r in range(world_size)] for out in (first.produce() for _ in range(5))]
     finally:
         pool1.close()
-    second, pool2 = _constructor(tmp_path, {"a": 0.5, "b": 0.5}, global_batch=16, max_workers=4)
+    if world_size > 1:  # the saved window holds a sample that was passed over: out of order, still to come
+        handed = state["packer"]["total"] // 33
+        assert any(order < handed for order in state["packer"]["ready_order"]), state["packer"]["ready_order"]
+    second, pool2 = _constructor(tmp_path, {"a": 0.5, "b": 0.5}, global_batch=batch, max_workers=4, **kw)
     try:
         second.load_state_dict(state)
-        got = [second.produce()["ranks"][0]["arrays"][0] for _ in range(5)]
+        got = [[out["ranks"][r]["arrays"] for r in range(world_size)] for out in (second.produce() for _ in range(5))]
     finally:
         pool2.close()
     for a, b in zip(expected, got):
-        assert np.array_equal(a, b)
+        for ranks_a, ranks_b in zip(a, b):
+            assert all(np.array_equal(x, y) for x, y in zip(ranks_a, ranks_b))
+
+
+def test_balance_off_hands_out_samples_in_order(tmp_path):
+    """data.balance = false: over 4 ranks, the ranks' samples one after another are one process's, in order."""
+    one, pool1 = _constructor(tmp_path, {"a": 0.5, "b": 0.5}, global_batch=16, max_words=60)
+    four, pool4 = _constructor(tmp_path, {"a": 0.5, "b": 0.5}, global_batch=16, max_words=60, world_size=4,
+                               balance=False)
+    try:
+        for _ in range(4):
+            a, b = one.produce(), four.produce()
+            for k in range(3):
+                assert np.array_equal(a["ranks"][0]["arrays"][k],
+                                      np.concatenate([b["ranks"][r]["arrays"][k] for r in range(4)]))
+        assert b["cost_max_over_mean"] > 1.0
+    finally:
+        pool1.close()
+        pool4.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from holotrain.data.mixture import Mixture
-from holotrain.data.packing import Packer, balance, sample_arrays
+from holotrain.data.packing import Packer, StepFormer, sample_arrays
 from holotrain.data.sources import SourceConfig, plan_chunks, source_files
 from holotrain.data.worker import new_block, read_block, start_light, worker_main
 from holotrain.errors import ConfigError
@@ -58,6 +58,9 @@ class PlaneSpec:
     backend: str = "local"  # local processes, or "ray" actors
     ray_address: str = ""  # empty: start a Ray instance on this node
     tp: int = 1  # ranks per tensor-parallel group: ranks tp*i .. tp*i+tp-1 are data-parallel rank i, one batch
+    # Cost-aware step formation (packing.StepFormer): micro-batches chosen from this many steps of ready samples; no
+    # sample trains more than this many steps after its turn in order.
+    balance_window: int = 4
     shm_prefix: str = ""  # names this plane's shared-memory blocks (shm_prefix()); empty: random names
     chat_template: str = ""  # Jinja source of the chat sources' template (chat.template_for); "": no chat source
 
@@ -335,26 +338,39 @@ class Constructor:
         self.mixture = Mixture([s.weight for s in spec.sources], [s.weight_schedule for s in spec.sources])
         self.packer = Packer(spec.seq_len + 1, max_open=max(8, 2 * spec.global_batch))
         self.step = 0  # steps produced
+        dp = spec.world_size // spec.tp  # data-parallel ranks; a tensor-parallel group shares one batch
+        rows = spec.global_batch // dp // spec.accum  # samples per rank per micro-batch
+        self.former = StepFormer(self.packer, dp, rows, spec.accum, spec.balance_window) if spec.balance and dp > 1 else None
+
+    def _read_document(self) -> None:
+        s = self.mixture.pick()
+        tokens, key, mask = self.streams[s].next_doc()
+        self.mixture.account(s, len(tokens), self.step)
+        self.packer.add(tokens, key, mask)
 
     def produce(self) -> dict:
         """The next step's batch for every rank of this node, and what it is made of."""
         spec, n = self.spec, self.spec.global_batch
-        while not self.packer.has(n):
-            s = self.mixture.pick()
-            tokens, key, mask = self.streams[s].next_doc()
-            self.mixture.account(s, len(tokens), self.step)
-            self.packer.add(tokens, key, mask)
-        bins = self.packer.take(n)
-        dp = spec.world_size // spec.tp  # data-parallel ranks; a tensor-parallel group shares one batch
-        per = n // dp
-        if spec.balance and dp > 1:
-            groups = balance([b.cost() for b in bins], dp)
-        else:
-            groups = [list(range(r * per, (r + 1) * per)) for r in range(dp)]
-        costs = [sum(bins[i].cost() for i in g) for g in groups]
-        out = {"ranks": {}, "cost_max_over_mean": max(costs) / (sum(costs) / len(costs)) if sum(costs) else 1.0}
+        dp = spec.world_size // spec.tp
+        if self.former is not None:
+            while self.former.wants():
+                self._read_document()
+            micro_batches = self.former.next_step()  # per micro-batch: per rank, its samples and their cost
+            ranks = [[b for bins, _ in micro_batches for b in bins[r]] for r in range(dp)]
+            loads = [costs for _, costs in micro_batches]
+        else:  # in order, equal count
+            while not self.packer.has(n):
+                self._read_document()
+            bins, per, rows = self.packer.take(n), n // dp, n // dp // spec.accum
+            ranks = [bins[r * per : (r + 1) * per] for r in range(dp)]
+            loads = [[sum(b.attention_cost(self.packer.length) for b in g[m * rows : (m + 1) * rows]) for g in ranks]
+                     for m in range(spec.accum)]
+        # How much longer the step's attention takes than on even ranks: ranks wait for the slowest at every
+        # micro-batch, so the sum of each micro-batch's most loaded rank over the sum of its means (max/mean with one).
+        peak, mean = sum(max(m) for m in loads), sum(sum(m) / len(m) for m in loads)
+        out = {"ranks": {}, "cost_max_over_mean": peak / mean if mean else 1.0}
         for rank in spec.local_ranks:
-            rank_bins = [bins[i] for i in groups[rank // spec.tp]]
+            rank_bins = ranks[rank // spec.tp]
             inputs, targets, doc_ids = sample_arrays(rank_bins, spec.seq_len + 1, spec.pad_id)
             samples = [[list(p.key) for p in b.pieces] for b in rank_bins] if spec.log_samples else None
             out["ranks"][rank] = {"arrays": (inputs, targets, doc_ids), "samples": samples}
@@ -420,7 +436,8 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
     else:
         pool = LoaderPool(spec, files)
     streams = [
-        SourceStream(i, plan_chunks(i, f, spec.chunk_bytes), pool, spec.seed, spec.shuffle, s.name)
+        SourceStream(i, plan_chunks(i, f, spec.chunk_bytes, s.document, s.path_field), pool, spec.seed, spec.shuffle,
+                     s.name)
         for i, (s, f) in enumerate(zip(spec.sources, files))
     ]
     constructor = Constructor(spec, streams)

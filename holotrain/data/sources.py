@@ -2,7 +2,9 @@
 
 A source is a file, directory or glob of one format: `.jsonl` (one JSON object per line, text in
 `text_field`), `.txt` (one document per file), `.parquet` (one document per row, via pyarrow) or `.npy`
-(pre-tokenized: a 1-D token array, documents separated by the tokenizer's end-of-text id). A chat source
+(pre-tokenized: a 1-D token array, documents separated by the tokenizer's end-of-text id). With
+`document = "directory"`, a directory is one document instead: the .txt files of each directory, or the consecutive
+.jsonl records whose `path_field` names a file of one directory (a repository's files as one long document). A chat source
 (`format = "chat"`, .jsonl or .parquet) holds conversations instead, which a ChatReader (chat.py) renders into
 text and the spans of its assistant turns.
 
@@ -27,6 +29,9 @@ from holotrain.errors import ConfigError
 
 FORMATS = {".jsonl": "jsonl", ".txt": "txt", ".parquet": "parquet", ".npy": "tokens"}
 SOURCE_FORMATS = ("text", "chat")  # what a source's records are: documents, or conversations
+DOCUMENTS = ("record", "directory")  # what one document is: a record (line, row, .txt file), or a directory
+DIRECTORY_FILES = (".jsonl", ".txt")
+JOIN = "\n\n"  # between the files of a directory document
 CHAT_FILES = (".jsonl", ".parquet")
 MAX_SKIP_EXAMPLES = 5
 
@@ -43,6 +48,11 @@ class SourceConfig:
     messages_field: str = "messages"  # a list of {"role": system | user | assistant, "content": ...}
     prompt_field: str = "prompt"  # with response_field: a user message and the assistant's answer
     response_field: str = "response"
+    # "record": each line, row or .txt file is a document. "directory": the files of one directory make one document,
+    # in path order (documents far longer than data.seq_len are cut into samples, as any): the .txt files of each
+    # directory, or consecutive .jsonl records whose `path_field` (the embedded corpus writes "file") lies in one.
+    document: str = "record"
+    path_field: str = "file"
 
 
 def validate_sources(sources: list[SourceConfig]) -> None:
@@ -66,6 +76,11 @@ def validate_sources(sources: list[SourceConfig]) -> None:
         need(src.format in SOURCE_FORMATS, f"data.sources[{src.name}].format must be 'text' or 'chat', got {src.format!r}")
         for key in ("messages_field", "prompt_field", "response_field"):
             need(src.format != "chat" or bool(getattr(src, key)), f"data.sources[{src.name}].{key} is empty")
+        need(src.document in DOCUMENTS,
+             f"data.sources[{src.name}].document must be 'record' or 'directory', got {src.document!r}")
+        need(src.document == "record" or src.format == "text",
+             f"data.sources[{src.name}].document = 'directory' joins text documents, not format = {src.format!r}")
+        need(src.document == "record" or bool(src.path_field), f"data.sources[{src.name}].path_field is empty")
     need(len(set(names)) == len(names), f"data.sources: names must be unique, got {names}")
     need(not sources or any(s.weight > 0 or s.weight_schedule for s in sources), "data.sources: all weights are 0")
 
@@ -75,8 +90,10 @@ class Chunk:
     source: int
     index: int  # position in the source's chunk list
     file: int
-    start: int  # bytes (jsonl), rows (parquet), tokens (npy); txt: 0
-    stop: int
+    start: int  # bytes (jsonl), rows (parquet), tokens (npy); txt: 0; a directory of txt: its first file
+    stop: int  # a directory of txt: one past its last file
+    document: str = "record"  # SourceConfig.document
+    path_field: str = ""  # SourceConfig.path_field, for document = "directory"
 
 
 def source_files(src: SourceConfig) -> list[Path]:
@@ -94,19 +111,32 @@ def source_files(src: SourceConfig) -> list[Path]:
             raise ConfigError(f"data.sources[{src.name}]: unknown format of {f} (known: {', '.join(FORMATS)})")
         if src.format == "chat" and f.suffix not in CHAT_FILES:
             raise ConfigError(f"data.sources[{src.name}]: format = 'chat' reads {' or '.join(CHAT_FILES)} files, not {f}")
+        if src.document == "directory" and f.suffix not in DIRECTORY_FILES:
+            raise ConfigError(f"data.sources[{src.name}]: document = 'directory' reads "
+                              f"{' or '.join(DIRECTORY_FILES)} files, not {f}")
+    if src.document == "directory":  # each directory's files next to each other (a subdirectory's come after)
+        files.sort(key=lambda f: (f.parent.parts, f.name))
     return files
 
 
-def plan_chunks(source_index: int, files: list[Path], chunk_bytes: int) -> list[Chunk]:
-    """Cut a source into chunks of about chunk_bytes of input each."""
+def plan_chunks(source_index: int, files: list[Path], chunk_bytes: int, document: str = "record",
+                path_field: str = "") -> list[Chunk]:
+    """Cut a source into chunks of about chunk_bytes of input each (a directory of .txt files, with
+    document = "directory": one chunk)."""
     chunks: list[Chunk] = []
 
     def add(file: int, start: int, stop: int) -> None:
-        chunks.append(Chunk(source_index, len(chunks), file, start, stop))
+        chunks.append(Chunk(source_index, len(chunks), file, start, stop, document, path_field))
 
     for fi, path in enumerate(files):
         kind = FORMATS[path.suffix]
-        if kind == "jsonl":
+        if document == "directory" and kind == "txt":
+            if fi == 0 or files[fi - 1].parent != path.parent:
+                last = fi
+                while last + 1 < len(files) and files[last + 1].parent == path.parent:
+                    last += 1
+                add(fi, fi, last + 1)
+        elif kind == "jsonl":
             size = path.stat().st_size
             for start in range(0, max(size, 1), chunk_bytes):
                 add(fi, start, min(size, start + chunk_bytes))
@@ -162,8 +192,12 @@ def read_chunk(chunk: Chunk, files: list[Path], text_field: str, eos_id: int, ch
     path = files[chunk.file]
     kind = FORMATS[path.suffix]
     out = ChunkText(spans=[] if chat is not None else None)
-    if path.stat().st_size == 0:
+    if chunk.document == "directory" and kind == "txt":
+        _read_txt_directory(chunk, files, out)
+    elif path.stat().st_size == 0:
         out.skip(str(path), "empty file")
+    elif chunk.document == "directory":
+        _read_jsonl_directories(chunk, path, text_field, chunk.path_field, out)
     elif kind == "jsonl":
         _read_jsonl(chunk, path, text_field, chat, out)
     elif kind == "txt":
@@ -223,6 +257,107 @@ def _read_txt(chunk: Chunk, path: Path, out: ChunkText) -> None:
         out.skip(str(path), "blank file")
         return
     out.add((chunk.file, 0), text)
+
+
+def _read_txt_directory(chunk: Chunk, files: list[Path], out: ChunkText) -> None:
+    """The .txt files of one directory (files[start:stop]) as one document; unreadable ones skipped and counted."""
+    parts = []
+    for fi in range(chunk.start, chunk.stop):
+        one = ChunkText()
+        _read_txt(chunk, files[fi], one)
+        parts += one.texts
+        out.skipped += one.skipped
+        out.skip_examples = (out.skip_examples + one.skip_examples)[:MAX_SKIP_EXAMPLES]
+    if parts:
+        out.add((chunk.file, 0), JOIN.join(parts))
+
+
+def _read_jsonl_directories(chunk: Chunk, path: Path, text_field: str, path_field: str, out: ChunkText) -> None:
+    """Consecutive records whose `path_field` lies in one directory, joined into one document. A document belongs
+    to the chunk its first record starts in: that chunk reads on past its end while the directory lasts, and the next
+    chunk passes over those records. A blank line, or a record that is skipped (and counted), ends the document in
+    progress; a record with a text but no path is a document of its own."""
+    texts, key, directory = [], None, None
+
+    def flush() -> None:
+        nonlocal texts, key
+        if texts:
+            out.add(key, JOIN.join(texts))
+        texts, key = [], None
+
+    with open(path, "rb") as f:
+        previous = None  # the directory of the previous chunk's document that runs into this one
+        if chunk.start > 0:
+            previous = _directory_of(_line_before(f, chunk.start), text_field, path_field)
+            f.seek(chunk.start - 1)
+            f.readline()  # the line that started before `start` belongs to the previous chunk
+        lineno = 1 if chunk.start == 0 else 0
+        while True:
+            offset = f.tell()
+            raw = f.readline()
+            if not raw:
+                break
+            if offset >= chunk.stop and (not texts or _directory_of(raw, text_field, path_field) != directory):
+                break  # past the end, only the document in progress goes on
+            where = f"{path}:{lineno}" if lineno else f"{path}@{offset}"
+            lineno = lineno + 1 if lineno else 0
+            record = _record_text(raw, text_field, path_field) if raw.strip() else None
+            if previous is not None:
+                if isinstance(record, tuple) and record[1] == previous:
+                    continue
+                previous = None
+            if not isinstance(record, tuple) or record[1] is None or record[1] != directory:
+                flush()
+                directory = None
+            if isinstance(record, str):
+                out.skip(where, record)
+            if not isinstance(record, tuple):
+                continue
+            texts.append(record[0])
+            key = key or (chunk.file, offset)
+            directory = record[1]
+            if directory is None:  # no path: a document of its own
+                flush()
+        flush()
+
+
+def _record_text(raw: bytes, text_field: str, path_field: str):
+    """(text, directory or None) of a .jsonl line, or why it is skipped (a str)."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "undecodable bytes"
+    except json.JSONDecodeError:
+        return f"not a JSON object with a string field {text_field!r}"
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        return f"not a JSON object with a string field {text_field!r}"
+    if not record[text_field]:
+        return "empty text"
+    where = record.get(path_field)
+    return record[text_field], (str(Path(where).parent) if isinstance(where, str) and where else None)
+
+
+def _directory_of(raw: bytes, text_field: str, path_field: str) -> str | None:
+    """The directory a .jsonl line's record belongs to; None where it starts no document that others join."""
+    if not raw or not raw.strip():
+        return None
+    record = _record_text(raw, text_field, path_field)
+    return None if isinstance(record, str) else record[1]
+
+
+def _line_before(f, pos: int, block: int = 1 << 16) -> bytes:
+    """The line that starts before byte `pos` and runs up to it (or over it): the one the previous chunk ends in."""
+    start = pos - 1  # the byte before pos ends or belongs to that line
+    while start > 0:
+        f.seek(max(0, start - block))
+        data = f.read(start - max(0, start - block))
+        hit = data.rfind(b"\n")
+        if hit >= 0:
+            start = max(0, start - block) + hit + 1
+            break
+        start = max(0, start - block)
+    f.seek(max(start, 0))
+    return f.readline()
 
 
 def _read_parquet(chunk: Chunk, path: Path, text_field: str, chat, out: ChunkText) -> None:
