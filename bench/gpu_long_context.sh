@@ -9,7 +9,7 @@
 #             PEER_TS, each in its own process; a T whose process fails (out of memory) is reported as not fitting.
 #  7b         `holotrain train --config 1.4b --model.preset=7b --data.seq_len=32768 --training.batch_size=1`.
 # Usage (repo root, on the GPU machine): bash bench/gpu_long_context.sh OUT_DIR PARTS
-#   env: TS="8192 32768 131072" STEPS=12 PEER_TS="8192 32768 49152 65536" LONG_TS="32768"
+#   env: TS="8192 32768 131072" STEPS=12 PEER_TS="8192 32768 49152 65536" LONG_TS="32768" EXTRA="" (longdocs)
 set -uo pipefail
 out=${1:?output directory}; parts=${2:-holotrain,peer}
 steps=${STEPS:-12}
@@ -26,7 +26,7 @@ run() {  # name, extra args
   cp /tmp/lc-$name/metrics.jsonl "$out/$name.jsonl" 2>/dev/null; rm -rf /tmp/lc-$name
 }
 if [[ $parts == *holotrain* ]]; then
-  for T in ${TS:-8192 32768 131072}; do run "hl-$T" --data.seq_len="$T"; done
+  for T in ${TS:-8192 32768 131072}; do run "hl-$T" --data.seq_len="$T" ${EXTRA:-}; done
 fi
 if [[ $parts == *longdocs* ]]; then
   # Long documents: the standard library's files joined, in order, into documents of about 1.2 MB of text (about
@@ -53,7 +53,7 @@ print(f"{len(docs)} long documents, {sum(map(len, docs)) / 1e6:.0f} MB")
 PY
   { cat holotrain/configs/1.4b.toml; printf '\n[[data.sources]]\nname = "stdlib_long"\npath = "/tmp/lc-long/long.jsonl"\n'; } \
     > /tmp/lc-long/1.4b-long.toml
-  for T in ${LONG_TS:-32768}; do run "long-$T" --config /tmp/lc-long/1.4b-long.toml --data.seq_len="$T"; done
+  for T in ${LONG_TS:-32768}; do run "long-$T" --config /tmp/lc-long/1.4b-long.toml --data.seq_len="$T" ${EXTRA:-}; done
 fi
 if [[ $parts == *7b* ]]; then
   run 7b-32768 --model.preset=7b --data.seq_len=32768
