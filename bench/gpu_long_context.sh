@@ -9,7 +9,7 @@
 #             PEER_TS, each in its own process; a T whose process fails (out of memory) is reported as not fitting.
 #  7b         `holotrain train --config 1.4b --model.preset=7b --data.seq_len=32768 --training.batch_size=1`.
 # Usage (repo root, on the GPU machine): bash bench/gpu_long_context.sh OUT_DIR PARTS
-#   env: TS="8192 32768 131072" STEPS=12 PEER_TS="8192 32768 49152 65536" LONG_TS="32768" EXTRA="" (longdocs)
+#   env: TS="8192 32768 131072" STEPS=12 PEER_TS="8192 32768 49152 65536" LONG_TS="32768" EXTRA="" (more train arguments)
 set -uo pipefail
 out=${1:?output directory}; parts=${2:-holotrain,peer}
 steps=${STEPS:-12}

@@ -88,8 +88,12 @@ class DataConfig(_Section):
     chunk_mb: float = 1.0  # unit of work of a loader
     prefetch_steps: int = 4  # steps the plane builds ahead of training
     # Balance attention cost (sum of squared document lengths) across data-parallel ranks in every micro-batch, reaching
-    # up to 4 steps ahead when the step's own samples cannot be evened (data/packing.py StepFormer); false: in order.
+    # up to balance_window steps ahead when the step's own samples cannot be evened (data/packing.py StepFormer);
+    # false: in order.
     balance: bool = True
+    # With balance: how many steps ahead a micro-batch may take its samples from (data/packing.py StepFormer), when
+    # the step's own samples cannot be evened; no sample trains more than this many steps late.
+    balance_window: int = 4
     shuffle: bool = True  # chunk order shuffled per epoch
     log_samples: bool = False  # write RUN_DIR/samples.jsonl: the documents of every sample (rank 0's)
     backend: str = "local"  # loader processes: "local", or "ray" actors (pip install holotrain[ray])
@@ -428,6 +432,7 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
         need(importlib.util.find_spec("ray") is not None, "data.backend = 'ray' needs Ray: pip install 'holotrain[ray]'")
     need(d.workers >= 1, f"data.workers must be >= 1, got {d.workers}")
     need(d.chunk_mb > 0, f"data.chunk_mb must be positive, got {d.chunk_mb}")
+    need(d.balance_window >= 1, f"data.balance_window must be >= 1, got {d.balance_window}")
     need(d.prefetch_steps >= 1, f"data.prefetch_steps must be >= 1, got {d.prefetch_steps}")
     need(d.vocab_size >= 259, f"data.vocab_size must be at least 259 (256 bytes + special tokens), got {d.vocab_size}")
     if tokenizer_vocab is not None:

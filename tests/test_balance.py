@@ -206,3 +206,13 @@ def test_directory_documents_are_checked(tmp_path):
     np.save(tmp_path / "t.npy", np.arange(5, dtype=np.uint16))
     with pytest.raises(ConfigError, match="reads .jsonl or .txt files"):
         source_files(SourceConfig(name="n", path=str(tmp_path / "t.npy"), document="directory"))
+
+
+def test_balance_window_is_a_checked_config_key():
+    import pytest
+
+    from holotrain.config import ConfigError, load_config, resolve
+
+    assert resolve(load_config(None, ["--data.balance_window=8"]), tokenizer_vocab=500).data.balance_window == 8
+    with pytest.raises(ConfigError, match="data.balance_window must be >= 1"):
+        resolve(load_config(None, ["--data.balance_window=0"]), tokenizer_vocab=500)

@@ -49,7 +49,8 @@ class Data:
             local_ranks=list(range(node_first, node_first + env.local_world_size)), micro_batch=layout.micro,
             tp=layout.tp, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
             chunk_bytes=int(section.chunk_mb * 2**20), prefetch_steps=section.prefetch_steps,
-            balance=section.balance, shuffle=section.shuffle, log_samples=section.log_samples,
+            balance=section.balance, balance_window=section.balance_window, shuffle=section.shuffle,
+            log_samples=section.log_samples,
             backend=section.backend, ray_address=section.ray_address, shm_prefix=shm_prefix(run_dir),
             # Resolved here, before any loader starts, so that a missing or broken template is one error line.
             chat_template=template_for(section.sources, section.chat_template, tokenizer_path),
