@@ -48,7 +48,7 @@ from holotrain.train.resolve import model_args  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 STEPS = 9  # the runs' training.steps (STEPS=9), logged every 3
-TIMED = slice(3, STEPS)  # steps 4-9: the first logged interval compiles
+COMPILING = 3  # steps 1-3, the first logged interval, compile: the timed steps are 4-9
 # run file, preset, seq_len, batch, checkpointing the run chose, packed (rows of the embedded corpus, rebuilt here;
 # else every row one document's piece: the long documents, and hl-8192, whose record has no micro-batch with a
 # document boundary)
@@ -69,8 +69,8 @@ def overrides(preset: str, seq: int, batch: int, seed: int = 0) -> list[str]:
             f"--training.steps={STEPS}", f"--job.seed={seed}"]
 
 
-def rebuild(args: list[str]) -> tuple[list[tuple[bool, float]], dict[int, dict], str]:
-    """The run's micro-batches, rebuilt through its data plane on the CPU: per step and micro-batch, whether it has a
+def rebuild(args: list[str]) -> tuple[list[tuple[int, bool, float]], dict[int, dict], str]:
+    """The run's micro-batches, rebuilt through its data plane on the CPU: per micro-batch, its step, whether it has a
     document boundary (the GPU client's rule: without one it takes the dense causal kernel) and the share of the
     causal triangle's 128 x 128 blocks that flex_attention visits; the tokens per source after each step (the run
     logged them); the corpus's cache name (stdlib-<key>)."""
@@ -93,17 +93,17 @@ def rebuild(args: list[str]) -> tuple[list[tuple[bool, float]], dict[int, dict],
                 batches, _ = data.next(step)
                 for _, _, doc_ids in batches:  # [micro, T] each; the CPU client keeps every micro-batch's ids
                     masked = with_boundary(doc_ids.numpy()[None])[0]
-                    micro_batches.append((masked, float(block_density(doc_ids)) if masked else 1.0))
+                    micro_batches.append((step, masked, float(block_density(doc_ids)) if masked else 1.0))
                 tokens[step] = data.metrics(step)["data.tokens_by_source"]
         finally:
             data.close()
     return micro_batches, tokens, Path(sources[0].path).parent.name
 
 
-def documents(micro_batches: list[tuple[bool, float]]) -> Calibration:
+def documents(micro_batches: list[tuple[int, bool, float]]) -> Calibration:
     """The timed steps' documents as the time model takes them: the share of micro-batches with a boundary, and
     the masked ones' mean density (the model runs the others dense)."""
-    timed = micro_batches[TIMED]
+    timed = [(is_masked, density) for step, is_masked, density in micro_batches if step > COMPILING]
     masked = [density for is_masked, density in timed if is_masked]
     return Calibration(masked_share=len(masked) / len(timed),
                        attention_density=statistics.mean(masked) if masked else 1.0)
@@ -127,6 +127,12 @@ def fit_attention_scale(model, cfg, machine: Machine, calib: Calibration, batch:
     return scale
 
 
+def run_corpus(rows: list[dict]) -> str | None:
+    """The cache name (stdlib-<key>) of the run's embedded corpus, where a skipped record's path logged it."""
+    found = re.search(r"stdlib-[0-9a-f]{16}", " ".join(e for r in rows for e in r.get("data.skip_examples") or []))
+    return found.group(0) if found else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=1,
@@ -134,60 +140,51 @@ def main() -> None:
     opts = parser.parse_args()
     machine = Machine(**json.loads((DATA / "plan-h200/machine.json").read_text()))
     runs = {}
-    for name, preset, seq, batch, (ac, blocks), packed in RUNS:
+    for name, preset, seq, batch, (ac, blocks), _ in RUNS:
         rows = [json.loads(line) for line in (DATA / "long-context" / f"{name}.jsonl").read_text().splitlines()]
         cfg = with_settings(job_config("1.4b", overrides(preset, seq, batch)),
                             {"memory.activation_checkpointing": ac, "memory.activation_checkpointing_blocks": blocks})
         with torch.device("meta"):
             model = Llama(model_args(cfg))
-        runs[name] = (rows, cfg, model)
+        runs[name] = (rows, cfg, model, statistics.median(r["step_s"] for r in rows[1:]))
 
-    rows, cfg, model = runs[CALIBRATE_ON]
-    scale = fit_attention_scale(model, cfg, machine, Calibration(), 1,
-                                statistics.median(r["step_s"] for r in rows[1:]))
-    print(f"calibrated: attention_scale {scale:.3f}, fitted on {CALIBRATE_ON} (the attention rate "
-          f"{machine.attention_rate * 1e-12 / scale:.0f} TFLOP/s against the prior's "
-          f"{machine.attention_rate * 1e-12:.0f})")
-    print(f"{'run':12} {'AC':14} {'peak plan':>9} {'measured':>9} {'err':>6}  {'masked':>6} {'run':>4} "
+    rows, cfg, model, step = runs[CALIBRATE_ON]
+    scale = fit_attention_scale(model, cfg, machine, Calibration(), 1, step)
+    print(f"calibrated: attention_scale {scale:.3f}, fitted on {CALIBRATE_ON} (an attention rate of "
+          f"{machine.attention_rate * 1e-12 / scale:.0f} TFLOP/s for the prior's {machine.attention_rate * 1e-12:.0f})")
+    print(f"{'run':12} {'AC':14} {'peak plan':>9} {'measured':>9} {'err':>6}  {'masked':>6} {'(run)':>5} "
           f"{'density':>7}  {'step prior':>10} {'calib.':>6} {'measured':>8} {'err prior':>9} {'calib.':>7}  as run")
-    corpus, run_corpus, spread = None, None, []
+    corpus, spread = None, {}
     for name, preset, seq, batch, (ac, blocks), packed in RUNS:
-        rows, cfg, model = runs[name]
+        rows, cfg, model, step = runs[name]
+        docs, as_run = Calibration(), "dense"
         if packed:
             micro_batches, tokens, corpus = rebuild(overrides(preset, seq, batch))
             docs = documents(micro_batches)
-            # The data plane's tokens per source after each logged step are a fingerprint of the corpus and
-            # tokenizer: equal, the rows are the run's.
-            same = all(tokens[r["step"]] == r["data.tokens_by_source"] for r in rows)
-            as_run = "yes" if same else "no (corpus)"
-            for seed in range(1, opts.seeds):
-                spread.append((name, seed, documents(rebuild(overrides(preset, seq, batch, seed))[0]), cfg, model))
-        else:
-            docs, as_run = Calibration(), "dense"
-        for r in rows:
-            found = re.search(r"stdlib-[0-9a-f]{16}", " ".join(r.get("data.skip_examples") or []))
-            run_corpus = found.group(0) if found else run_corpus
+            # The data plane's tokens per source after each logged step fingerprint the corpus and the tokenizer:
+            # equal, the rows are the run's.
+            as_run = "yes" if all(tokens[r["step"]] == r["data.tokens_by_source"] for r in rows) else "no (corpus)"
+            spread[name] = [documents(rebuild(overrides(preset, seq, batch, seed))[0])
+                            for seed in range(1, opts.seeds)]
         prior = predict(model, cfg, machine, docs, batch, 1)
         calibrated = predict(model, cfg, machine, dataclasses.replace(docs, attention_scale=scale), batch, 1)
         peak = max(r["mem.peak_gb"] for r in rows) * 1e9
-        step = statistics.median(r["step_s"] for r in rows[1:])
         label = f"{ac}" + (f" {blocks}/{cfg.model.n_layers}" if blocks else "")
-        print(f"{name:12} {label:14} {prior.gpu_bytes / 1e9:>9.1f} {peak / 1e9:>9.1f} {prior.gpu_bytes / peak - 1:>+6.1%}"
-              f"  {docs.masked_share:>6.2f} {recorded_masked(rows):>4.2f} {docs.attention_density:>7.3f}  "
-              f"{prior.step_s:>10.2f} {calibrated.step_s:>6.2f} {step:>8.2f} {prior.step_s / step - 1:>+9.1%} "
+        print(f"{name:12} {label:14} {prior.gpu_bytes / 1e9:>9.1f} {peak / 1e9:>9.1f} "
+              f"{prior.gpu_bytes / peak - 1:>+6.1%}  {docs.masked_share:>6.2f} {recorded_masked(rows):>5.2f} "
+              f"{docs.attention_density:>7.3f}  {prior.step_s:>10.2f} {calibrated.step_s:>6.2f} {step:>8.2f} {prior.step_s / step - 1:>+9.1%} "
               f"{calibrated.step_s / step - 1:>+7.1%}  {as_run}", flush=True)
-    print(f"masked: share of the timed steps' micro-batches with a document boundary, rebuilt (run: the run's own, "
-          f"from data.doc_masked_share); density: theirs of the causal triangle's 128 x 128 blocks, rebuilt")
-    print(f"corpus: Python {platform.python_version()}'s standard library ({corpus}); the runs': {run_corpus}"
-          + ("" if corpus == run_corpus else " (another standard library: the rebuilt rows are like the runs', "
-                                             "not theirs)"))
-    if spread:
-        print(f"\nother data seeds (rows of the same corpus): calibrated step error")
-        for name in dict.fromkeys(n for n, *_ in spread):
-            rows, cfg, model = runs[name]
-            step = statistics.median(r["step_s"] for r in rows[1:])
+    print("masked: the timed steps' share of micro-batches with a document boundary, rebuilt ((run): the run's own, "
+          "from data.doc_masked_share); density: the masked ones' share of the causal triangle's 128 x 128 blocks")
+    theirs = next(filter(None, (run_corpus(runs[name][0]) for name in runs)), None)
+    print(f"corpus: Python {platform.python_version()}'s standard library ({corpus}); the runs': {theirs}"
+          + ("" if corpus == theirs else " (another: the rebuilt rows are like the runs', not theirs)"))
+    if opts.seeds > 1:
+        print("\nother data seeds, the same corpus: masked x density, calibrated step error")
+        for name, seeds in spread.items():
+            _, cfg, model, step = runs[name]
             cells = []
-            for _, seed, docs, cfg, model in (s for s in spread if s[0] == name):
+            for seed, docs in enumerate(seeds, 1):
                 p = predict(model, cfg, machine, dataclasses.replace(docs, attention_scale=scale), 1, 1)
                 cells.append(f"seed {seed}: {docs.masked_share:.2f} x {docs.attention_density:.3f} "
                              f"{p.step_s / step - 1:+.1%}")
