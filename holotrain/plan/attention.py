@@ -7,7 +7,8 @@ parallelism (parallel/cp.py) adds to it: the ring's hops, or the all-to-alls.
              dense causal kernel, SDPA); with packed documents, flex_attention's visited 128 x 128 blocks of the
              triangle's (doc_density from document lengths, block_density from document ids)
   rate       the machine's measured attention rate (plan/machine.py: a causal SDPA forward and backward, FLOPs
-             counted as above), FLEX_SPEED of it for flex_attention's document-masked kernel, RING_SPEED for the
+             counted as above); flex_attention's document-masked kernel at FLEX_BLOCK_COST of the dense kernel's
+             time per visited block, plus FLEX_ROW_COST blocks' time per row of query blocks; RING_SPEED for the
              ring's per-block kernels; the trials calibrate it (Calibration.attention_scale)
   cp         ring: per layer, cp - 1 hops of a K/V block forward (and again where the block is recomputed), and in
              backward K/V with its fp32 dK/dV, each hidden behind the attention on the block at hand where that
@@ -23,10 +24,13 @@ import torch
 
 from holotrain.model.llama import ATTENTION_FORWARD_SHARE, attention_flops_per_token
 
-# flex_attention with a document BlockMask against cuDNN's causal kernel, forward and backward, on an H200 (B=8,
-# T=2048, 16 heads of 128; bench/RESULTS.md "Kernels for masked micro-batches"): 1.185 ms against 1.794 at the same
-# work (those micro-batches were 98% single-document rows).
-FLEX_SPEED = 1.185 / 1.794
+# flex_attention with a document BlockMask against the dense causal kernel (flash) at T = 32768 and 131072 with
+# documents of 512, 2048 and 8192 tokens and of log-normal lengths, forward and backward, on an H200 (16 heads of 128;
+# bench/flex_rate.py, bench/RESULTS.md "The time model on packed long rows"): each visited 128 x 128 block took 1.31
+# times a dense block's time, and each row of query blocks 4.3 blocks' time more, within 6% of the eight
+# measurements. The row term is what makes short documents slow: at 512 tokens a row visits 2.5 blocks.
+FLEX_BLOCK_COST = 1.31
+FLEX_ROW_COST = 4.3
 # parallel/cp.py's ring runs each block pair through the memory-efficient SDPA kernel and merges the outputs in fp32:
 # not measured; a prior the trials calibrate.
 RING_SPEED = 0.5
@@ -76,16 +80,25 @@ def block_density(doc_ids: torch.Tensor, block: int = MASK_BLOCK) -> torch.Tenso
     return (visited / (n * (n + 1) / 2)).mean()
 
 
+def flex_cost(density: float, seq_len: int, block: int = MASK_BLOCK) -> float:
+    """flex_attention's time on a document-masked row of seq_len over the dense causal kernel's on a row of one
+    document: its visited blocks (`density` of the causal triangle's) and its rows of query blocks, each at its
+    cost in dense blocks."""
+    n = math.ceil(seq_len / block)
+    return FLEX_BLOCK_COST * density + FLEX_ROW_COST * 2 / (n + 1)
+
+
 def attention_seconds(args, seq_len: int, tokens: float, rate: float, density: float, masked_share: float,
                       ring: bool = False) -> float:
     """Seconds of attention forward and backward for `tokens` tokens of sequences of seq_len at `rate` (the dense
     causal kernel's FLOP/s): micro-batches without a document boundary (1 - masked_share of them) on the dense
-    kernel, the others at FLEX_SPEED over `density` of the triangle. The ring's blocks compute each pair they need
-    whole, with a dense mask where documents meet, so it is counted at RING_SPEED over the whole triangle."""
-    dense = attention_flops_per_token(args, seq_len) * tokens
+    kernel, the others on flex_attention over `density` of the triangle (flex_cost). The ring's blocks compute each
+    pair they need whole, with a dense mask where documents meet, so it is counted at RING_SPEED over the whole
+    triangle."""
+    dense = attention_flops_per_token(args, seq_len) * tokens / rate
     if ring:
-        return dense / (rate * RING_SPEED)
-    return dense * (1 - masked_share) / rate + dense * density * masked_share / (rate * FLEX_SPEED)
+        return dense / RING_SPEED
+    return dense * ((1 - masked_share) + masked_share * flex_cost(density, seq_len))
 
 
 def cp_exposed_seconds(args, mode: str, cp: int, tp: int, micro: int, seq_len: int, accum: int, elem_bytes: int,

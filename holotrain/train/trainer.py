@@ -35,6 +35,7 @@ from holotrain.parallel import DistEnv, init_distributed
 from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
 from holotrain.parallel.lever import build as build_parallel
+from holotrain.plan.attention import block_density
 from holotrain.profile.lever import build as build_profiler
 from holotrain.train.checkpoint import RUN_ID, latest_checkpoint, load_model_weights
 from holotrain.train.checkpointer import Checkpoints
@@ -292,6 +293,10 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
     linear_per_step = flops_per_token(args, 0) * tokens_per_step / env.world_size
     attention_per_pair = 12 * args.n_layers * args.dim / (cfg.parallel.tp * cfg.parallel.cp)
     pairs = torch.zeros((), dtype=torch.float64, device=env.device)  # this rank's, over the interval
+    # The document-masked micro-batches' share of the causal triangle that flex_attention visits, summed over the
+    # interval (the time model's attention density, plan/attention.py), and their count: read at log time only.
+    visited = torch.zeros((), dtype=torch.float64, device=env.device)
+    masked_count = 0
     peak = peak_bf16_flops(env.device)
     log_every = cfg.training.log_every
     rows: list[dict] = []
@@ -320,6 +325,9 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
         micro_batches, waited = data.next(done)
         for batch in micro_batches:
             pairs += attention_pairs(batch[2], batch[0].shape)
+            if batch[2] is not None:
+                visited += block_density(batch[2])
+                masked_count += 1
         profiler.add("data_wait", waited)
         goodput.data_wait_s += waited
         t_step = time.perf_counter()
@@ -362,6 +370,7 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                 "tflops": flops_s / 1e12,
                 "mfu": flops_s / peak if peak else None,
                 "attention_flops_share": attention_per_step / (linear_per_step + attention_per_step),
+                "attention_block_density": visited.item() / masked_count if masked_count else None,
                 "step_s": step_s,
                 # time.data_wait, time.forward, time.backward, time.optimizer (+ levers' own phases)
                 **profiler.metrics(interval_steps),
@@ -394,6 +403,8 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                 )
             loss_sum.zero_()
             pairs.zero_()
+            visited.zero_()
+            masked_count = 0
             interval_steps = 0
             interval_start = time.perf_counter()
 
