@@ -148,6 +148,9 @@ class CheckpointConfig(_Section):
     save_final: bool = True
 
 
+PP_SCHEDULES = ("auto", "1f1b", "interleaved", "zb1p", "zbv")
+
+
 @dataclass
 class ParallelConfig(_Section):
     # Data parallelism over all ranks of a torchrun launch (world size / tp of them); world size 1 runs unsharded.
@@ -176,6 +179,14 @@ class ParallelConfig(_Section):
     # by cp) and attention over the whole sequence; "auto": alltoall where heads divide, else ring. 1 = off.
     cp: int = 1
     cp_mode: str = "auto"
+    # Pipeline parallelism (holotrain/parallel/pp.py): ranks that each hold a contiguous share of the blocks (stages
+    # balanced by cost, the embedding on the first and the head on the last), on torch.distributed.pipelining's
+    # schedules: "1f1b", "interleaved" (2 stages per rank, looped), "zb1p" (interleaved zero bubble), "zbv" (zero bubble,
+    # 2 stages per rank in a V); "auto": the planner's choice. pp_microbatches: micro-batches per step in flight
+    # through the pipeline (0: training.batch_size's micro-batches, at least 2 x pp). 1 = off.
+    pp: int = 1
+    pp_schedule: str = "auto"
+    pp_microbatches: int = 0
 
 
 @dataclass
@@ -488,6 +499,10 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
         need(not getattr(cfg.memory, "offload", False),
              "parallel.tp > 1 does not combine with memory.offload yet: use one of them")
     need(par.cp >= 1, f"parallel.cp must be >= 1, got {par.cp}")
+    need(par.pp >= 1, f"parallel.pp must be >= 1, got {par.pp}")
+    need(par.pp_schedule in PP_SCHEDULES, f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got "
+         f"{par.pp_schedule!r}")
+    need(par.pp_microbatches >= 0, f"parallel.pp_microbatches must be >= 0, got {par.pp_microbatches}")
     need(par.cp_mode in ("auto", "ring", "alltoall"), f"parallel.cp_mode must be auto, ring or alltoall, got {par.cp_mode!r}")
     if par.cp > 1:
         need(d.seq_len % (2 * par.cp * par.tp) == 0, f"data.seq_len={d.seq_len} must divide by 2 x parallel.cp x "
