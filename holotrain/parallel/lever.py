@@ -19,8 +19,12 @@ if TYPE_CHECKING:
 
 class Parallel:
     def __init__(self, section: ParallelConfig, env: DistEnv):
+        if section.pp > 1:
+            from holotrain.errors import ConfigError
+
+            raise ConfigError("parallel.pp > 1: `holotrain train` does not run pipeline stages yet; set parallel.pp = 1")
         self.section, self.env = section, env
-        self.mesh = device_mesh(env, section.tp, section.cp)  # ("dp"[, "cp"][, "tp"]); None on one process
+        self.mesh = device_mesh(env, section.tp, section.cp, section.pp)  # (["pp",] "dp"[, "cp"][, "tp"]); None on one process
         self.cp_mode = None  # the context-parallel mode in use, once applied
 
     def apply_tp(self, model: nn.Module) -> None:
