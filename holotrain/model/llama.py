@@ -291,6 +291,10 @@ class Llama(nn.Module):
         self.loss_piece = head_piece
         # Set by parallel/cp.py: splits each sequence over the context-parallel group (`split`). None: whole here.
         self.context_parallel = None
+        # Set by parallel/pp.py on a pipeline stage, which holds some of the modules (the others None): forward
+        # takes the previous stage's hidden state where it has no embedding, and returns its blocks' output (the
+        # pipeline schedule applies `loss` on the last stage).
+        self.pipeline_stage = False
         if not self.output.weight.is_meta:  # a model built on "meta" is initialized after placement
             self.init_weights()
 
@@ -354,8 +358,9 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [B, T] int64. Returns logits [B, T, V], or the mean cross-entropy if targets are given
-        (positions where targets are -100 are ignored).
+        """tokens: [B, T] int64 (on a pipeline stage without the embedding: the hidden state [B, T, dim]). Returns
+        logits [B, T, V], or the mean cross-entropy if targets are given (positions where targets are -100 are
+        ignored); on a pipeline stage, the hidden state after its blocks.
 
         doc_ids: optional [B, T] int64, non-decreasing along T, the document of each token in a packed row.
         With it, positions restart at every document and no token attends across documents.
@@ -373,13 +378,15 @@ class Llama(nn.Module):
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [B, T, D]
             # Built once per forward and shared by every block.
             mask = doc_block_mask(doc_ids) if doc_ids.is_cuda else doc_attn_mask(doc_ids)
-        h = self.tok_embeddings(tokens)
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         if self.residual_in_autocast_dtype and torch.is_autocast_enabled(h.device.type):
             # Carry the residual stream in the autocast dtype (bf16), as FSDP2's bf16 parameters do:
             # every norm and residual add then moves half the bytes.
             h = h.to(torch.get_autocast_dtype(h.device.type))
         for i, block in enumerate(self.layers.values()):
             h = block(h, cos, sin, mask) if self.around_block is None else self.around_block(i, block, h, cos, sin, mask)
+        if self.pipeline_stage:
+            return h
         if targets is None:
             return self.output(self.norm(h))
         loss = self.loss(h, targets)
@@ -469,6 +476,25 @@ def attention_pairs(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> tor
     if doc_ids is None:
         return shape[0] * shape[1] ** 2
     return (2 * doc_positions(doc_ids) + 1).sum()
+
+
+def block_density(doc_ids: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The share of the causal triangle's `block` x `block` blocks (flex_attention's) that the document mask of a
+    micro-batch of document ids [B, T] (non-decreasing along T) visits, averaged over its rows (plan/attention.py:
+    doc_density's block share), as a tensor on their device: no host synchronization (the trainer reads it at log
+    time)."""
+    B, T = doc_ids.shape
+    n = math.ceil(T / block)
+    if T % block:  # padding of the last block: ids above every document's
+        pad = doc_ids[:, -1:] + 1 + torch.arange(n * block - T, device=doc_ids.device)
+        doc_ids = torch.cat([doc_ids, pad], dim=1)
+    blocks = doc_ids.view(B, n, block)
+    first, last = blocks[:, :, 0].contiguous(), blocks[:, :, -1].contiguous()
+    # Key blocks up to the query block's own that hold its first document (ids never decrease: the key block's last
+    # id reaches it).
+    reach = torch.searchsorted(last, first)  # per query block, the first key block whose last id >= its first id
+    visited = (torch.arange(n, device=doc_ids.device) - reach + 1).sum(dim=1).float()
+    return (visited / (n * (n + 1) / 2)).mean()
 
 
 ATTENTION_FORWARD_SHARE = 2 / 7  # of attention_flops_per_token: forward's 2 of the 7 T x T products

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from holotrain.model.llama import ATTENTION_FORWARD_SHARE, attention_flops_per_token
+from holotrain.model.llama import ATTENTION_FORWARD_SHARE, attention_flops_per_token, block_density  # noqa: F401
 
 # flex_attention with a document BlockMask against the dense causal kernel (flash) at T = 32768 and 131072 with
 # documents of 512, 2048 and 8192 tokens and of log-normal lengths, forward and backward, on an H200 (16 heads of 128;
@@ -61,23 +61,6 @@ def doc_density(lengths, seq_len: int, block: int = MASK_BLOCK) -> float:
     starts.extend(range(pos, n_blocks * block))  # padding: each token its own (it attends to itself)
     visited = sum(q - starts[q * block] // block + 1 for q in range(n_blocks))
     return visited / (n_blocks * (n_blocks + 1) / 2)
-
-
-def block_density(doc_ids: torch.Tensor, block: int = MASK_BLOCK) -> torch.Tensor:
-    """doc_density's block share for a micro-batch of document ids [B, T] (non-decreasing along T), averaged over its
-    rows, as a tensor on their device: computed without a host synchronization (the bench reads it after training)."""
-    B, T = doc_ids.shape
-    n = math.ceil(T / block)
-    if T % block:  # padding of the last block: ids above every document's
-        pad = doc_ids[:, -1:] + 1 + torch.arange(n * block - T, device=doc_ids.device)
-        doc_ids = torch.cat([doc_ids, pad], dim=1)
-    blocks = doc_ids.view(B, n, block)
-    first, last = blocks[:, :, 0].contiguous(), blocks[:, :, -1].contiguous()
-    # Key blocks up to the query block's own that hold its first document (ids never decrease: the key block's last
-    # id reaches it).
-    reach = torch.searchsorted(last, first)  # per query block, the first key block whose last id >= its first id
-    visited = (torch.arange(n, device=doc_ids.device) - reach + 1).sum(dim=1).float()
-    return (visited / (n * (n + 1) / 2)).mean()
 
 
 def flex_cost(density: float, seq_len: int, block: int = MASK_BLOCK) -> float:

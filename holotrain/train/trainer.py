@@ -28,14 +28,13 @@ from holotrain.memory import build as build_memory
 from holotrain.memory import build_optimizer as _build_optimizer
 from holotrain.memory.plan import expandable_segments_reason, gpu_cap_bytes, process_rss_bytes
 from holotrain.model import Llama, flops_per_token, num_params
-from holotrain.model.llama import attention_pairs
+from holotrain.model.llama import attention_pairs, block_density
 from holotrain.optim import AdamWHyper, StepOptimizer
 from holotrain.precision import build as build_precision
 from holotrain.parallel import DistEnv, init_distributed
 from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
 from holotrain.parallel.lever import build as build_parallel
-from holotrain.plan.attention import block_density
 from holotrain.profile.lever import build as build_profiler
 from holotrain.train.checkpoint import RUN_ID, latest_checkpoint, load_model_weights
 from holotrain.train.checkpointer import Checkpoints

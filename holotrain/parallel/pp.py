@@ -1,0 +1,264 @@
+"""Pipeline parallelism: the model cut into stages along its depth, one or two stages per rank of the "pp" mesh
+dimension, micro-batches streamed through them by one of torch.distributed.pipelining's schedules.
+
+The model is cut into units, [embedding, block 0 .. block n-1, head (final norm, output, loss)], and each stage
+holds a contiguous run of them, chosen so that the costliest stage is as cheap as it can be (`stage_bounds`, over
+`unit_costs`): a head over a large vocabulary weighs as much as several blocks, and a split by block count would
+leave the last stage the bottleneck.
+
+A stage is the plain model with the other units' modules removed (`stage_model`); the ones it keeps keep their
+names, so its state_dict is the plain model's restricted to the stage, and a checkpoint written at one pipeline
+degree loads at any other. Parallel levers of the other dimensions (FSDP2 over "dp", compile, activation
+checkpointing) are applied to each stage model as to a whole one.
+
+Schedules (`SCHEDULES`):
+- "1f1b": one stage per rank, one forward then one backward in the steady state.
+- "interleaved": interleaved 1F1B, two stages per rank in loop order (rank r holds r and r + pp): a smaller bubble
+  for twice the point-to-point traffic.
+- "zb1p": interleaved zero bubble, the same stages, backward split into its input and weight halves, the weight
+  halves filling the bubble.
+- "zbv": zero bubble in a V: rank r holds stages r and 2pp-1-r, so the first and the last stage share rank 0 and
+  the turn at the bottom of the V needs no transfer (torch's schedule places stages that way; torchtitan #774).
+
+What torch provides: the stages' transfers, the schedules and their split of the batch into micro-batches (keyword
+arguments, here doc_ids, are split too and handed to every stage), FSDP2's deferred gradient reduction. What it
+lacks and is here: the cost-balanced cut, the pruned stage models, the loss made to match holotrain's gradient
+accumulation, the step's loss on every rank, and the gradient norm over all stages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.tensor import DTensor
+
+from holotrain.errors import ConfigError
+from holotrain.model.llama import Llama, LlamaArgs, attention_flops_per_token, flops_per_token
+
+SCHEDULES = ("1f1b", "interleaved", "zb1p", "zbv")
+ZERO_BUBBLE = ("zb1p", "zbv")  # backward split into its input and weight halves
+
+_SCHEDULE_CLASSES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                     "zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+
+# The embedding's lookup multiplies nothing; its cost is the bytes it moves per token: a row read and written
+# forward (bf16), its gradient row read and added into the fp32 weight gradient backward, about 16 bytes per
+# dimension, counted at the FLOPs a GPU does while it moves a byte (an H100's bf16 peak over its bandwidth, ~300).
+_EMBEDDING_BYTES_PER_DIM = 16
+_FLOPS_PER_BYTE = 300
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+def stages_per_rank(schedule: str) -> int:
+    _check_schedule(schedule)
+    return 1 if schedule == "1f1b" else 2
+
+
+def rank_stages(pp_rank: int, pp: int, schedule: str) -> list[int]:
+    """The stages rank `pp_rank` of the pipeline group holds, in the order torch's schedule expects them: (r) for
+    1f1b, loop order (r, r + pp) for interleaved and zb1p, a V (r, 2pp-1-r) for zbv."""
+    n = stages_per_rank(schedule)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pipeline rank {pp_rank} out of range for pp = {pp}")
+    if n == 1:
+        return [pp_rank]
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank, pp_rank + pp]
+
+
+def unit_costs(args: LlamaArgs, seq_len: int, attention_density: float = 1.0,
+               measured: list[float] | None = None) -> list[float]:
+    """Training cost per token of each unit [embedding, block 0 .. n-1, head], in FLOPs: the blocks' linears and
+    their attention (over the causal triangle, times `attention_density` for packed documents: see
+    attention_flops_per_token), the head's projection onto the vocabulary, the embedding's memory traffic as FLOPs.
+
+    `measured`: the units' costs as timed on the device (any unit, one value per unit), used as they are."""
+    n_units = args.n_layers + 2
+    if measured is not None:
+        if len(measured) != n_units or any(not c > 0 for c in measured):
+            raise ValueError(f"measured unit costs must be {n_units} positive values "
+                             f"(embedding, {args.n_layers} blocks, head), got {measured}")
+        return [float(c) for c in measured]
+    head = 6 * args.dim * args.vocab_size
+    block_linear = (flops_per_token(args, 0) - head) / args.n_layers  # seq_len 0: the linears alone
+    block_attention = attention_flops_per_token(args, seq_len, attention_density) / args.n_layers
+    embedding = _EMBEDDING_BYTES_PER_DIM * args.dim * _FLOPS_PER_BYTE
+    return [float(embedding)] + [block_linear + block_attention] * args.n_layers + [float(head)]
+
+
+def stage_bounds(costs: list[float], n_stages: int) -> list[tuple[int, int]]:
+    """The cut of units 0 .. len(costs)-1 into `n_stages` contiguous, non-empty stages whose costliest stage costs
+    least, as (first unit, last unit) pairs, both inclusive. Of the cuts that achieve it, the one with the smallest
+    sum of squared stage costs (the other stages as even as they can be), by exact dynamic programming."""
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ConfigError(f"{n_stages} pipeline stages need at least as many units (embedding, blocks, head), "
+                          f"the model has {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i: int, j: int) -> float:  # units i .. j-1
+        return prefix[j] - prefix[i]
+
+    # best[k][j]: the least largest-stage cost of units 0 .. j-1 in k stages.
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for j in range(k, n - (n_stages - k) + 1):
+            best[k][j] = min(max(best[k - 1][i], cost(i, j)) for i in range(k - 1, j))
+    limit = best[n_stages][n] * (1 + 1e-9)
+
+    # Among cuts with every stage within the limit, the least sum of squares; cut[k][j] the start of stage k.
+    square = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    square[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for j in range(k, n - (n_stages - k) + 1):
+            for i in range(k - 1, j):
+                c = cost(i, j)
+                if c <= limit and square[k - 1][i] + c * c < square[k][j]:
+                    square[k][j], cut[k][j] = square[k - 1][i] + c * c, i
+    bounds, j = [], n
+    for k in range(n_stages, 0, -1):
+        i = cut[k][j]
+        bounds.append((i, j - 1))
+        j = i
+    return bounds[::-1]
+
+
+def stage_model(model: Llama, first_unit: int, last_unit: int) -> Llama:
+    """Prunes the plain `model` in place to the units first_unit .. last_unit (inclusive) of [embedding, blocks,
+    head] and returns it: the embedding kept only on the first stage, the final norm and output only on the last,
+    blocks outside removed from `layers` while the kept ones keep their keys (the plain model's parameter names).
+    Its forward then takes the previous stage's hidden state (where it has no embedding) and returns its blocks'
+    output. Build one plain model per stage (on "meta" it costs nothing) and prune it before any other lever."""
+    n_layers = model.args.n_layers
+    if not 0 <= first_unit <= last_unit <= n_layers + 1:
+        raise ValueError(f"stage units {first_unit}..{last_unit} out of range for {n_layers + 2} units")
+    whole = first_unit == 0 and last_unit == n_layers + 1
+    if model.args.tie_embeddings and not whole:
+        raise ConfigError("model.tie_embeddings shares the embedding's weight with the head, which pipeline "
+                          "parallelism puts on different ranks: untie it or set parallel.pp = 1")
+    if first_unit > 0:
+        model.tok_embeddings = None
+    for key in list(model.layers.keys()):
+        if not first_unit <= int(key) + 1 <= last_unit:
+            del model.layers[key]
+    if last_unit <= n_layers:
+        model.norm = None
+        model.output = None
+    model.pipeline_stage = True
+    return model
+
+
+class Pipeline:
+    """This rank's stages of the pipeline and the schedule that drives them.
+
+    stage_models: this rank's pruned models (`stage_model`), in the order of `stage_ids` (`rank_stages`), other
+    levers already applied. pp_mesh: the "pp" dimension of the job's mesh.
+
+    Under FSDP2 the schedule defers every stage's gradient reduction to after its last micro-batch (the caller does
+    not call set_requires_gradient_sync). Weights resharded after each forward are gathered again for every
+    micro-batch's backward; reshard_after_forward=False keeps a stage's weights gathered through the step instead,
+    and the zero-bubble schedules need it (set here).
+    """
+
+    def __init__(self, stage_models: list[Llama], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
+                 schedule: str, n_microbatches: int, device: torch.device | str):
+        pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+        if n_stages != pp * stages_per_rank(schedule):
+            raise ValueError(f"schedule {schedule!r} over pp = {pp} runs {pp * stages_per_rank(schedule)} stages, "
+                             f"got n_stages = {n_stages}")
+        if list(stage_ids) != rank_stages(pp_rank, pp, schedule) or len(stage_models) != len(stage_ids):
+            raise ValueError(f"pipeline rank {pp_rank} of {schedule!r} holds stages "
+                             f"{rank_stages(pp_rank, pp, schedule)}, got {list(stage_ids)} "
+                             f"({len(stage_models)} models)")
+        if not all(getattr(m, "pipeline_stage", False) for m in stage_models):
+            raise ValueError("stage models must come from stage_model()")
+        self.models, self.stage_ids, self.n_microbatches = list(stage_models), list(stage_ids), n_microbatches
+        self.group = pp_mesh.get_group()
+        self.device = torch.device(device)
+        self.holds_first = 0 in stage_ids
+        self.holds_last = n_stages - 1 in stage_ids
+        last = stage_models[stage_ids.index(n_stages - 1)] if self.holds_last else None
+        if isinstance(last, FSDPModule):
+            # The schedule's loss_fn uses the head after the stage's forward has returned: its weights (the root's
+            # FSDP group) must stay gathered until backward.
+            last.set_reshard_after_forward(False, recurse=False)
+        if schedule in ZERO_BUBBLE:
+            for m in stage_models:
+                if isinstance(m, FSDPModule):
+                    # The split backward finds the weights to differentiate through the module's parameters when
+                    # its input half starts; resharded after forward, those are FSDP2's shards, not the gathered
+                    # weights the forward used, and the weight gradients would come out wrong.
+                    m.set_reshard_after_forward(False)
+
+        def micro_batch_loss(h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            # As holotrain's gradient accumulation does: each micro-batch's mean loss over the count, summed by
+            # backward; hence scale_grads=False below (torch would otherwise divide the gradients by the count).
+            return last.loss(h, targets) / n_microbatches
+
+        stages = [PipelineStage(m, i, n_stages, self.device, group=self.group) for m, i in zip(stage_models, stage_ids)]
+        cls = _SCHEDULE_CLASSES[schedule]
+        self.schedule = cls(stages[0] if schedule == "1f1b" else stages, n_microbatches=n_microbatches,
+                            loss_fn=micro_batch_loss, scale_grads=False)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of the step's batch [n_microbatches x micro, T] (every pipeline rank passes the same
+        batch; tokens are read on the first stage, targets on the last, doc_ids on every stage). Leaves the
+        gradients on the stage models (reduced over "dp" by FSDP2) and returns the mean over micro-batches of each
+        one's mean loss, on every rank of the pipeline."""
+        if tokens.shape[0] % self.n_microbatches:
+            raise ValueError(f"a batch of {tokens.shape[0]} rows does not split into {self.n_microbatches} "
+                             f"equal micro-batches")
+        args = (tokens,) if self.holds_first else ()
+        kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=targets if self.holds_last else None, losses=losses, return_outputs=False,
+                           **kwargs)
+        if self.holds_last:
+            loss = torch.stack([t.detach().float() for t in losses]).sum()
+        else:
+            loss = torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.group)  # only the last stage's rank adds anything
+        return loss
+
+
+def grad_norm(stage_models: list[nn.Module], pp_mesh: DeviceMesh, norm_type: float = 2.0) -> torch.Tensor:
+    """The gradient norm of the whole model: this rank's stages' gradients (DTensors, under FSDP2 or tensor
+    parallelism, reduced over their own mesh), combined over the pipeline group. The same value on every rank."""
+    grads = [p.grad for m in stage_models for p in m.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    norm = norm.float()
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        return norm
+    power = norm ** norm_type
+    dist.all_reduce(power, group=pp_mesh.get_group())
+    return power ** (1.0 / norm_type)
+
+
+def clip_grad_norm(stage_models: list[nn.Module], pp_mesh: DeviceMesh, max_norm: float,
+                   norm_type: float = 2.0) -> torch.Tensor:
+    """Scales this rank's gradients so that the whole model's norm is at most `max_norm`; returns that norm
+    (before clipping)."""
+    norm = grad_norm(stage_models, pp_mesh, norm_type)
+    params = [p for m in stage_models for p in m.parameters() if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
