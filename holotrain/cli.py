@@ -12,7 +12,7 @@ from holotrain.errors import TrainingStopped
 
 USAGE = """usage:
   holotrain train [--config FILE.toml | NAME] [--plan auto | PLAN.toml] [--section.key=value ...]
-  holotrain plan [--config FILE.toml | NAME] [--out DIR] [--section.key=value ...]
+  holotrain plan [--config FILE.toml | NAME] [--out DIR] [--nproc N | --cluster FILE | NAME] [--section.key=value ...]
   holotrain export RUN_DIR OUT_DIR [--checkpoint DIR]
   holotrain report RUN_DIR
   holotrain hw probe [--out FILE.json] [--seconds N]
@@ -51,6 +51,7 @@ def _planned(config: str | None, overrides: list[str], plan: str) -> list[str]:
 
     cfg = job_config(config, overrides)
     device = plan_device(cfg)
+    here = machine_fingerprint(device, cfg.hw.gpu_memory_gb)
     if plan == "auto":
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("--plan auto plans in one process; for several, plan first (holotrain plan --nproc N) "
@@ -58,7 +59,11 @@ def _planned(config: str | None, overrides: list[str], plan: str) -> list[str]:
         result = make_plan(config, overrides, cfg.run_dir)
         print_table(result)
         plan = str(cfg.run_dir / "plan.toml")
-    planned = plan_overrides(Path(plan), config, overrides, machine_fingerprint(device, cfg.hw.gpu_memory_gb))
+    else:
+        from holotrain.plan.cluster_cli import refuse_off_cluster
+
+        refuse_off_cluster(Path(plan), int(os.environ.get("WORLD_SIZE", "1")), here)
+    planned = plan_overrides(Path(plan), config, overrides, here)
     candidates = Path(plan).with_name("plan.json")  # the report compares the run with the plan's predictions
     if candidates.is_file() and candidates.parent.resolve() != cfg.run_dir.resolve():
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -73,19 +78,28 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML config file, or a shipped config's name (default: the embedded tiny "
                         "model)")
     parser.add_argument("--out", help="where plan.toml and plan.json go (default: the job's run directory)")
-    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) of this node the job will run on "
+    parser.add_argument("--nproc", type=int, help="processes (GPUs) of this node the job will run on "
                         "with torchrun --nproc_per_node (default 1): tensor and data parallelism are planned too")
+    parser.add_argument("--cluster", help="plan the job, on paper, for a cluster it is not running on: a cluster "
+                        "file (TOML: nodes, GPUs per node, links, MTBF) or the name of a shipped one, such as "
+                        "h200-64")
     known, overrides = parser.parse_known_args(argv)
-    if known.nproc < 1:
+    if known.nproc is not None and known.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {known.nproc}")
+    if known.nproc is not None and known.cluster:
+        raise ConfigError("--nproc plans this node's GPUs and --cluster a cluster file's: give one of them")
     from pathlib import Path
 
     from holotrain.plan import make_plan, print_table
     from holotrain.plan.planner import job_config
 
     out = Path(known.out) if known.out else job_config(known.config, overrides).run_dir
-    result = make_plan(known.config, overrides, out, ranks=known.nproc)
-    print_table(result)
+    if known.cluster:
+        from holotrain.plan.cluster_cli import make_cluster_plan, print_cluster_table
+
+        print_cluster_table(make_cluster_plan(known.config, overrides, known.cluster, out))
+    else:
+        print_table(make_plan(known.config, overrides, out, ranks=known.nproc or 1))
     print(f"wrote {out / 'plan.toml'} and {out / 'plan.json'}")
     return 0
 

@@ -164,3 +164,121 @@ def test_70b_on_512_gpus_pipeline_layouts(one_node):
     # layout is within a few percent of the best at worst.
     assert best_pp.step_s <= 1.05 * plan[0].step_s
     assert best_pp.checkpoint_interval_steps >= 1 and 0 < best_pp.goodput_loss < 0.05
+
+
+# --------------------------------------------------------------------------------------------
+# holotrain plan --cluster, and train --plan with what it writes
+
+EIGHT_B = """[job]
+name = "8b"
+run_dir = "{run_dir}"
+[model]
+dim = 4096
+n_layers = 32
+n_heads = 32
+n_kv_heads = 8
+ffn_dim = 14336
+vocab_size = 128256
+[data]
+seq_len = 8192
+[training]
+batch_size = 128
+"""
+
+
+@pytest.fixture(scope="module")
+def planned_64(tmp_path_factory):
+    """The 8B-like job planned by the command line for the shipped h200-64: (config file, out dir)."""
+    from holotrain.cli import main
+
+    root = tmp_path_factory.mktemp("cluster-plan")
+    config = root / "8b.toml"
+    config.write_text(EIGHT_B.format(run_dir=root / "run"))
+    assert main(["plan", "--config", str(config), "--cluster", "h200-64", "--out", str(root / "plan")]) == 0
+    return config, root / "plan"
+
+
+def test_plan_cluster_cli_writes_an_overlay_for_the_cluster(planned_64):
+    import json
+
+    from holotrain.config import load_config, resolve
+    from holotrain.plan.planner import read_overlay
+    from holotrain.plan.trials import as_override
+
+    config, out = planned_64
+    text = (out / "plan.toml").read_text()
+    assert text.startswith("# holotrain plan for the cluster h200-64 (") and "h200-64.toml" in text.splitlines()[0]
+    assert "not for the machine that wrote it" in text
+    planned, sections = read_overlay(out / "plan.toml")
+    assert planned["cluster"] == "h200-64" and planned["job"].endswith(", 64 ranks")
+    # The overlay's keys load as any config's do, and the job with them resolves.
+    overrides = [as_override(f"{s}.{k}", v) for s, kv in sections.items() for k, v in kv.items()]
+    cfg = resolve(load_config(config, overrides))
+    p = cfg.parallel
+    plan = json.loads((out / "plan.json").read_text())
+    chosen = [c for c in plan["candidates"] if c["chosen"]]
+    assert len(chosen) == 1 and chosen[0] is plan["candidates"][0]
+    lay = chosen[0]["layout"]
+    assert (p.tp, p.cp, p.pp, cfg.training.micro_batch_size) == (lay["tp"], lay["cp"], lay["pp"], lay["micro"])
+    assert cfg.memory.activation_checkpointing == lay["ac"]
+    assert lay["dp"] * lay["tp"] * lay["cp"] * lay["pp"] == 64  # the cluster's GPUs
+    assert lay["dp"] * lay["micro"] * lay["micro_batches"] == cfg.training.batch_size
+    # Every layout is in plan.json, the ones that do not fit too.
+    assert any(not c["predicted"]["fits"] for c in plan["candidates"]) and len(plan["candidates"]) > 100
+    # checkpoint.every: the Young/Daly interval (no shorter than a node's background write) over the step before saves.
+    pred, ck = chosen[0]["predicted"], chosen[0]["checkpoint"]
+    cluster = load_cluster(CLUSTERS / "h200-64.toml")
+    interval = max(young_daly_interval_s(ck["save_s"], cluster.job_mtbf_hours * 3600), ck["write_s"])
+    assert ck["interval_s"] == pytest.approx(interval)
+    assert cfg.checkpoint.every == max(1, round(interval / (pred["step_s"] - pred["phases_s"]["checkpoint"]))) > 1
+    split = pred["split_s"]
+    assert sum(split.values()) == pytest.approx(pred["step_s"]) and split["compute"] > split["comm"] > 0
+
+
+def test_train_refuses_a_cluster_plan_off_its_cluster(planned_64, monkeypatch, capsys):
+    from holotrain.cli import main
+
+    config, out = planned_64
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--config", str(config), "--plan", str(out / "plan.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is for the cluster h200-64 (8 nodes x 8 NVIDIA H200)" in err
+    assert "torchrun --nnodes 8 --nproc_per_node 8" in err
+
+
+def test_train_takes_a_cluster_plan_on_its_cluster(planned_64, monkeypatch):
+    import json
+
+    import holotrain.plan.machine
+    from holotrain.cli import _planned
+
+    config, out = planned_64
+    cluster = load_cluster(CLUSTERS / "h200-64.toml")
+    monkeypatch.setenv("WORLD_SIZE", "64")  # one rank of the 64-rank launch, on an H200
+    monkeypatch.setattr(holotrain.plan.machine, "machine_fingerprint", lambda *_: cluster.machine.fingerprint)
+    overrides = _planned(str(config), [], str(out / "plan.toml"))
+    layout = json.loads((out / "plan.json").read_text())["candidates"][0]["layout"]
+    assert f"--parallel.tp={layout['tp']}" in overrides and "--training.compile=true" in overrides
+    assert (config.parent / "run" / "plan.json").is_file()  # beside the run, for the report
+
+
+def test_plan_cluster_keeps_what_the_command_line_sets(tmp_path):
+    from holotrain.plan.cluster_cli import make_cluster_plan
+
+    config = tmp_path / "8b.toml"
+    config.write_text(EIGHT_B.format(run_dir=tmp_path / "run"))
+    plan = make_cluster_plan(str(config), ["--parallel.tp=8", "--memory.activation_checkpointing=full"],
+                             "h200-64", tmp_path / "plan")
+    assert all(c.layout.tp == 8 and c.layout.ac == "full" for c in plan.candidates)
+    assert "tp = 8" in (tmp_path / "plan" / "plan.toml").read_text()
+
+
+def test_an_unknown_cluster_is_one_error_naming_it(tmp_path, capsys):
+    from holotrain.cli import main
+    from holotrain.plan.cluster_cli import find_cluster
+
+    with pytest.raises(ConfigError, match=r"cluster file not found: h200-6 \(shipped clusters, by name: .*h200-64"):
+        find_cluster("h200-6")
+    assert find_cluster("h200-64.toml") == find_cluster("h200-64")
+    assert main(["plan", "--cluster", "h200-6", "--out", str(tmp_path)]) == 2
+    assert "cluster file not found: h200-6 " in capsys.readouterr().err
