@@ -503,6 +503,22 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(par.pp_schedule in PP_SCHEDULES, f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got "
          f"{par.pp_schedule!r}")
     need(par.pp_microbatches >= 0, f"parallel.pp_microbatches must be >= 0, got {par.pp_microbatches}")
+    if par.pp > 1:
+        # What pipeline stages do not run with yet, each in one line.
+        need(par.tp == 1 and par.cp == 1, f"parallel.pp > 1 does not combine with parallel.tp or parallel.cp > 1 "
+             f"yet (got tp={par.tp}, cp={par.cp}): use pipeline stages over data-parallel replicas")
+        need(not cfg.memory.offload, "parallel.pp > 1 does not combine with memory.offload: use one of them")
+        need(cfg.memory.activation_offload_blocks == 0,
+             "parallel.pp > 1 does not combine with memory.activation_offload_blocks > 0 yet")
+        need(not m.tie_embeddings, "model.tie_embeddings shares the embedding with the head, which pipeline stages "
+             "put on different ranks: set model.tie_embeddings = false or parallel.pp = 1")
+        need(m.n_layers + 2 >= par.pp, f"parallel.pp={par.pp} needs at least as many units as stages (embedding, "
+             f"{m.n_layers} blocks, head)")
+        need(not (t.compile and par.pp_schedule in ("zb1p", "zbv")),
+             f"parallel.pp_schedule = {par.pp_schedule!r} splits backward in a way torch.compile does not trace: "
+             "set training.compile = false, or choose 1f1b or interleaved")
+        need(not (t.fp8 == "delayed"), "training.fp8 = 'delayed' does not run under parallel.pp > 1 yet; use "
+             "'tensorwise' there")
     need(par.cp_mode in ("auto", "ring", "alltoall"), f"parallel.cp_mode must be auto, ring or alltoall, got {par.cp_mode!r}")
     if par.cp > 1:
         need(d.seq_len % (2 * par.cp * par.tp) == 0, f"data.seq_len={d.seq_len} must divide by 2 x parallel.cp x "

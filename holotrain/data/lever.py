@@ -31,6 +31,7 @@ class Layout:
     accum: int  # micro-batches per step
     tp: int  # ranks that read the same batch: a tensor- and context-parallel group (tp x cp adjacent ranks)
     seed: int
+    pp: int = 1  # pipeline stages: their ranks, world_size / pp apart (the mesh's outermost dimension), read it too
 
 
 class Data:
@@ -47,7 +48,7 @@ class Data:
             eos_id=eos_id, pad_id=pad_id, seq_len=section.seq_len,
             global_batch=layout.global_batch, world_size=env.world_size,
             local_ranks=list(range(node_first, node_first + env.local_world_size)), micro_batch=layout.micro,
-            tp=layout.tp, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
+            tp=layout.tp, pp=layout.pp, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
             chunk_bytes=int(section.chunk_mb * 2**20), prefetch_steps=section.prefetch_steps,
             balance=section.balance, balance_window=section.balance_window, shuffle=section.shuffle,
             log_samples=section.log_samples,

@@ -58,6 +58,9 @@ class PlaneSpec:
     backend: str = "local"  # local processes, or "ray" actors
     ray_address: str = ""  # empty: start a Ray instance on this node
     tp: int = 1  # ranks per tensor-parallel group: ranks tp*i .. tp*i+tp-1 are data-parallel rank i, one batch
+    # Pipeline stages: the ranks of stage s are the block s*world/pp .. (s+1)*world/pp-1 (the device mesh puts "pp"
+    # outermost), each block's tensor-parallel groups reading data-parallel ranks 0 .. dp-1 in order.
+    pp: int = 1
     # Cost-aware step formation (packing.StepFormer): micro-batches chosen from this many steps of ready samples; no
     # sample trains more than this many steps after its turn in order.
     balance_window: int = 4
@@ -338,7 +341,7 @@ class Constructor:
         self.mixture = Mixture([s.weight for s in spec.sources], [s.weight_schedule for s in spec.sources])
         self.packer = Packer(spec.seq_len + 1, max_open=max(8, 2 * spec.global_batch))
         self.step = 0  # steps produced
-        dp = spec.world_size // spec.tp  # data-parallel ranks; a tensor-parallel group shares one batch
+        dp = spec.world_size // (spec.tp * spec.pp)  # data-parallel ranks; a tp and pp group shares one batch
         rows = spec.global_batch // dp // spec.accum  # samples per rank per micro-batch
         self.former = StepFormer(self.packer, dp, rows, spec.accum, spec.balance_window) if spec.balance and dp > 1 else None
 
@@ -351,7 +354,7 @@ class Constructor:
     def produce(self) -> dict:
         """The next step's batch for every rank of this node, and what it is made of."""
         spec, n = self.spec, self.spec.global_batch
-        dp = spec.world_size // spec.tp
+        dp = spec.world_size // (spec.tp * spec.pp)
         if self.former is not None:
             while self.former.wants():
                 self._read_document()
@@ -370,7 +373,7 @@ class Constructor:
         peak, mean = sum(max(m) for m in loads), sum(sum(m) / len(m) for m in loads)
         out = {"ranks": {}, "cost_max_over_mean": peak / mean if mean else 1.0}
         for rank in spec.local_ranks:
-            rank_bins = ranks[rank // spec.tp]
+            rank_bins = ranks[(rank // spec.tp) % dp]
             inputs, targets, doc_ids = sample_arrays(rank_bins, spec.seq_len + 1, spec.pad_id)
             samples = [[list(p.key) for p in b.pieces] for b in rank_bins] if spec.log_samples else None
             out["ranks"][rank] = {"arrays": (inputs, targets, doc_ids), "samples": samples}

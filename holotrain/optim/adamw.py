@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Iterable, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 if TYPE_CHECKING:
     from holotrain.config import TrainingConfig
@@ -75,6 +76,9 @@ class AdamWHyper:
         return max(norm / self.clip, 1.0)
 
 
+_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
     """Weight decay on matrices only: norms (1-D parameters) are not decayed. Empty groups are left out."""
     params = list(params)
@@ -115,6 +119,8 @@ class DeviceAdamW:
             self.optimizer = fused_adamw(model.parameters(), lr, hyper)
         # One process: the clip goes into the fused kernel. FSDP2's DTensor gradients take the plain path.
         self.fold_clip = not sharded
+        # A pipeline stage's model (parallel/pp.py) gives the norm over every stage, which clipping must use.
+        self.whole_norm = getattr(model, "grad_norm", None)
 
     def begin(self, lr: float, accum: int) -> None:
         for group in self.optimizer.param_groups:
@@ -129,7 +135,11 @@ class DeviceAdamW:
             else:
                 # DTensor gradients (FSDP2): a non-finite norm would turn every gradient into NaN through the clip
                 # coefficient, so the host reads the norm (one synchronization per step) and skips the step.
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hyper.clip)
+                if self.whole_norm is not None:
+                    grad_norm = self.whole_norm()
+                    torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.hyper.clip, grad_norm)
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hyper.clip)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
                 if math.isfinite(grad_norm.item()):
                     self.optimizer.step()
@@ -140,11 +150,17 @@ class DeviceAdamW:
         return {}
 
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        # The moments by parameter name ("state.<name>.exp_avg"), not by parameter group: a rank's groups hold
+        # different parameters at another pipeline degree, and each name is found wherever it is now. The groups'
+        # hyperparameters are not saved: they are the config's.
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_BY_NAME)
+        return {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")}}
 
     def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        groups = {k: v for k, v in get_optimizer_state_dict(self.model, self.optimizer, options=_BY_NAME).items()
+                  if k.startswith("param_groups.")}
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict={**state["optim"], **groups}, options=_BY_NAME)
 
     def prepare_hold(self) -> str | None:
         return "the state is on the device"  # copied to the host in the blocking part at device-to-host speed

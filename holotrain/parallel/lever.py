@@ -1,5 +1,6 @@
 """The parallel lever as the trainer sees it: the job's device mesh, tensor and context parallelism applied to the
-plain model, and FSDP2 over the data-parallel ranks. Built from the `parallel` section alone."""
+plain model, pipeline stages cut from it, and FSDP2 over the data-parallel ranks. Built from the `parallel` section
+alone."""
 
 from __future__ import annotations
 
@@ -11,18 +12,16 @@ from torch import nn
 from holotrain.parallel.cp import apply_cp
 from holotrain.parallel.dp import apply_fsdp
 from holotrain.parallel.launch import DistEnv, device_mesh, fsdp_mesh
+from holotrain.parallel.pp import PipelineModel, rank_stages, stage_bounds, stages_per_rank, unit_costs
 from holotrain.parallel.tp import apply_tp
 
 if TYPE_CHECKING:
     from holotrain.config import ParallelConfig
+    from holotrain.model import LlamaArgs
 
 
 class Parallel:
     def __init__(self, section: ParallelConfig, env: DistEnv):
-        if section.pp > 1:
-            from holotrain.errors import ConfigError
-
-            raise ConfigError("parallel.pp > 1: `holotrain train` does not run pipeline stages yet; set parallel.pp = 1")
         self.section, self.env = section, env
         self.mesh = device_mesh(env, section.tp, section.cp, section.pp)  # (["pp",] "dp"[, "cp"][, "tp"]); None on one process
         self.cp_mode = None  # the context-parallel mode in use, once applied
@@ -41,6 +40,21 @@ class Parallel:
         """Shards over the data-parallel ranks: last, after the compute levers (checkpointing, compilation)."""
         if self.env.world_size > 1:
             apply_fsdp(model, fsdp_mesh(self.mesh), compute_dtype, self.section.reshard_after_forward)
+
+    def stage_units(self, args: LlamaArgs, seq_len: int) -> tuple[list[int], list[tuple[int, int]], int]:
+        """With parallel.pp > 1 (its schedule resolved): the stages this rank holds, each one's units (first, last)
+        of [embedding, blocks, head] in the cost-balanced cut, and the pipeline's number of stages."""
+        schedule, pp = self.section.pp_schedule, self.section.pp
+        n_stages = pp * stages_per_rank(schedule)
+        bounds = stage_bounds(unit_costs(args, seq_len), n_stages)
+        ids = rank_stages(self.mesh["pp"].get_local_rank(), pp, schedule)
+        return ids, [bounds[i] for i in ids], n_stages
+
+    def pipeline(self, stage_models: list[nn.Module], stage_ids: list[int], n_stages: int,
+                 n_microbatches: int) -> PipelineModel:
+        """This rank's stages, every other lever applied to each, as one model driven by the pipeline schedule."""
+        return PipelineModel(stage_models, stage_ids, n_stages, self.mesh["pp"], self.section.pp_schedule,
+                             n_microbatches, self.env.device)
 
     def metrics(self, steps: int) -> dict:
         return {}

@@ -29,6 +29,7 @@ accumulation, the step's loss on every rank, and the gradient norm over all stag
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -212,6 +213,9 @@ class Pipeline:
             # backward; hence scale_grads=False below (torch would otherwise divide the gradients by the count).
             return last.loss(h, targets) / n_microbatches
 
+        # A stage of the head alone returns its input as it came from the previous stage, a view of the transfer
+        # buffer, which FSDP2 warns of at every step; only the loss function reads it, out of place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         stages = [PipelineStage(m, i, n_stages, self.device, group=self.group) for m, i in zip(stage_models, stage_ids)]
         cls = _SCHEDULE_CLASSES[schedule]
         self.schedule = cls(stages[0] if schedule == "1f1b" else stages, n_microbatches=n_microbatches,
@@ -262,3 +266,47 @@ def clip_grad_norm(stage_models: list[nn.Module], pp_mesh: DeviceMesh, max_norm:
     params = [p for m in stage_models for p in m.parameters() if p.grad is not None]
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+class PipelineModel(nn.Module):
+    """This rank's stages as the trainer, the optimizer and the checkpointer see one model.
+
+    The stages' modules are registered again at the plain model's paths (`tok_embeddings` from the first stage,
+    the union of the stages' `layers`, `norm` and `output` from the last), so `parameters()` and `state_dict()`
+    hold this rank's share of the whole model under the whole model's names: a checkpoint written at one
+    pipeline degree loads at any other, or without stages. The stage models themselves are not submodules.
+    `step` runs one optimizer step's micro-batches through the schedule; `grad_norm` is the whole model's
+    gradient norm, which the optimizer clips with."""
+
+    def __init__(self, stage_models: list[Llama], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
+                 schedule: str, n_microbatches: int, device: torch.device | str):
+        super().__init__()
+        self.pipeline = Pipeline(stage_models, stage_ids, n_stages, pp_mesh, schedule, n_microbatches, device)
+        self.stages, self.pp_mesh, self.args = list(stage_models), pp_mesh, stage_models[0].args
+        for name in ("tok_embeddings", "norm", "output"):
+            setattr(self, name, next((getattr(m, name) for m in stage_models if getattr(m, name) is not None), None))
+        blocks = sorted(((k, b) for m in stage_models for k, b in m.layers.items()), key=lambda kb: int(kb[0]))
+        self.layers = nn.ModuleDict(blocks)
+        # What levers ask to run after each step's backward (precision/lever.py), from every stage.
+        self.after_backward = [hook for m in stage_models for hook in getattr(m, "after_backward", ())]
+        count = torch.tensor([sum(p.numel() for p in self.parameters())], dtype=torch.int64, device=device)
+        dist.all_reduce(count, group=pp_mesh.get_group())
+        self.whole_model_params = int(count.item())  # every stage's, for the console and the metrics
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("a pipeline stage runs its micro-batches through PipelineModel.step, not forward")
+
+    def step(self, micro_batches: list[tuple]) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches ((tokens, targets[, doc_ids]) each, as the data plane
+        gives them); returns the step's loss (the mean of the micro-batches' mean losses) on every stage."""
+        tokens = torch.cat([b[0] for b in micro_batches])
+        targets = torch.cat([b[1] for b in micro_batches])
+        docs = [b[2] if len(b) > 2 else None for b in micro_batches]
+        doc_ids = None
+        if any(d is not None for d in docs):
+            # A row without documents is one document: zeros, so that every micro-batch has the same inputs.
+            doc_ids = torch.cat([d if d is not None else torch.zeros_like(b[0]) for d, b in zip(docs, micro_batches)])
+        return self.pipeline.step(tokens, targets, doc_ids)
+
+    def grad_norm(self) -> torch.Tensor:
+        return grad_norm(self.stages, self.pp_mesh)

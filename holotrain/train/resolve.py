@@ -46,8 +46,56 @@ def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
 
 
 def data_parallel_size(cfg: Config, env: DistEnv) -> int:
-    """Ranks that read different batches: a tensor- and context-parallel group reads one."""
-    return max(1, env.world_size // (cfg.parallel.tp * cfg.parallel.cp))
+    """Ranks that read different batches: a tensor-, context- and pipeline-parallel group reads one."""
+    return max(1, env.world_size // (cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp))
+
+
+def resolve_pipeline(cfg: Config, env: DistEnv) -> None:
+    """parallel.pp_schedule = "auto" and parallel.pp_microbatches = 0, in place, for parallel.pp > 1.
+
+    The schedule: interleaved 1F1B where each rank can hold two stages and the blocks are compiled (torch.compile
+    does not trace the zero-bubble schedules' split backward), else zero bubble in a V, which fills the bubble
+    with the weight-gradient halves and needs no transfer at the turn of the V; 1F1B where there are too few units
+    for two stages a rank. The micro-batches: as training.micro_batch_size makes them, else the fewest of at least
+    2 x pp that split each replica's rows evenly (1F1B's bubble is (pp - 1) / (micro-batches + pp - 1): 2 x pp
+    keeps it near a third, more costs smaller GEMMs). The schedule's micro-batches are the step's gradient
+    accumulation: training.micro_batch_size is set to match."""
+    par, t = cfg.parallel, cfg.training
+    if par.pp == 1:
+        return
+    if par.pp_schedule == "auto":
+        two_a_rank = cfg.model.n_layers + 2 >= 2 * par.pp
+        par.pp_schedule = ("interleaved" if t.compile else "zbv") if two_a_rank else "1f1b"
+    rows = t.batch_size // data_parallel_size(cfg, env)
+    if rows == 0 or t.batch_size % data_parallel_size(cfg, env):
+        raise ConfigError(f"training.batch_size={t.batch_size} must be a multiple of the data-parallel replicas "
+                          f"({data_parallel_size(cfg, env)} with parallel.pp={par.pp})")
+    if par.pp_microbatches:
+        if rows % par.pp_microbatches:
+            raise ConfigError(f"parallel.pp_microbatches={par.pp_microbatches} must divide each replica's "
+                              f"{rows} rows of training.batch_size={t.batch_size}")
+        micro = rows // par.pp_microbatches
+        if t.micro_batch_size and t.micro_batch_size != micro:
+            raise ConfigError(f"training.micro_batch_size={t.micro_batch_size} and parallel.pp_microbatches="
+                              f"{par.pp_microbatches} disagree ({rows} rows a replica): set one of them")
+        t.micro_batch_size = micro
+    elif t.micro_batch_size:
+        if rows % t.micro_batch_size:
+            raise ConfigError(f"training.micro_batch_size={t.micro_batch_size} must divide each replica's {rows} "
+                              f"rows of training.batch_size={t.batch_size}")
+        par.pp_microbatches = rows // t.micro_batch_size
+    else:
+        n = next((n for n in range(2 * par.pp, rows + 1) if rows % n == 0), rows)
+        par.pp_microbatches, t.micro_batch_size = n, rows // n
+    n = par.pp_microbatches
+    if n < par.pp:  # torch's 1F1B refuses it, and every schedule would idle most of each step
+        raise ConfigError(f"parallel.pp={par.pp} needs at least {par.pp} micro-batches a step, got {n} ({rows} "
+                          f"rows a replica, training.micro_batch_size={t.micro_batch_size}): raise "
+                          "training.batch_size or lower training.micro_batch_size")
+    rounds = max(1, n // par.pp)
+    if par.pp_schedule == "interleaved" and n % rounds:
+        raise ConfigError(f"parallel.pp_schedule = 'interleaved' runs micro-batches in rounds of parallel.pp="
+                          f"{par.pp}: parallel.pp_microbatches={n} must be a multiple of {rounds}")
 
 
 def resolve_job(cfg: Config, env: DistEnv) -> Job:
@@ -67,6 +115,7 @@ def resolve_job(cfg: Config, env: DistEnv) -> Job:
         if turn == "first" and env.world_size > 1:
             dist.barrier()
     resolve(cfg, tokenizer_vocab=tokenizer.get_vocab_size())
+    resolve_pipeline(cfg, env)
     micro, accum = batch_layout(cfg, data_parallel_size(cfg, env))
 
     # On disk, or this run's in-memory snapshots in any rank's RAM (some may have lost theirs with their node).

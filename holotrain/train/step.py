@@ -50,9 +50,12 @@ class TrainStep:
         self.attention = cfg.training.attention
         # What levers ask to run after each backward (the delayed FP8 recipe's scale refresh: precision/lever.py).
         self.after_backward = list(getattr(model, "after_backward", ()))
+        self.pipelined = hasattr(model, "pipeline")  # parallel/pp.py's PipelineModel: this rank's stages
 
     def __call__(self, fetch, accum: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.optimizer.begin(lr, accum)
+        if self.pipelined:
+            return self._pipeline_step(fetch, accum)
         total = None
         device_type = self.env.device.type
         with attention_kernels(self.attention, self.env.device):
@@ -68,6 +71,17 @@ class TrainStep:
                         hook()
                 total = loss.detach() if total is None else total + loss.detach()
         grad_norm = self.optimizer.finish()  # times its own phases (time.optimizer, time.offload_wait)
+        return total, grad_norm
+
+    def _pipeline_step(self, fetch, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """parallel.pp > 1: the step's micro-batches go through the pipeline schedule together, forward and
+        backward interleaved by it (one phase, time.pipeline); FSDP2 reduces each stage's gradients after its
+        last micro-batch."""
+        with attention_kernels(self.attention, self.env.device), self._phase("pipeline"):
+            total = self.model.step([fetch(m) for m in range(accum)])
+            for hook in self.after_backward:
+                hook()
+        grad_norm = self.optimizer.finish()
         return total, grad_norm
 
     def _phase(self, name: str):

@@ -62,19 +62,29 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
     memory = memory or build_memory(cfg.memory, env)
     par = par or build_parallel(cfg.parallel, env)
     precision = build_precision(cfg.training, env, data_parallel_size(cfg, env))
-    # Built on "meta" (no memory), wrapped by the levers, placed (sharded, if FSDP), and only then
-    # initialized: a 7B model never exists whole in host memory, and the seed alone decides the weights.
-    with torch.device("meta"):
-        model = Llama(model_args(cfg))
-    # A plan that cannot fit GPU or host memory is refused now, with the numbers, not by an OOM later.
-    memory.check_fit(model, cfg, *batch_layout(cfg, data_parallel_size(cfg, env)))
-    par.apply_tp(model)
-    par.apply_cp(model)
+    if cfg.parallel.pp > 1:
+        model = _build_stages(cfg, env, compute_dtype, memory, par, precision, pretrained)
+    else:
+        # Built on "meta" (no memory), wrapped by the levers, placed (sharded, if FSDP), and only then
+        # initialized: a 7B model never exists whole in host memory, and the seed alone decides the weights.
+        with torch.device("meta"):
+            model = Llama(model_args(cfg))
+        # A plan that cannot fit GPU or host memory is refused now, with the numbers, not by an OOM later.
+        memory.check_fit(model, cfg, *batch_layout(cfg, data_parallel_size(cfg, env)))
+        _apply_levers(model, cfg, env, compute_dtype, memory, par, precision, pretrained)
     if env.is_main and par.cp_mode:
         print(f"holotrain: context parallelism over {cfg.parallel.cp} ranks ({par.cp_mode})", flush=True)
-    precision.apply(model)
     if env.is_main and precision.describe():
         print(f"holotrain: {precision.describe()}", flush=True)
+    return model
+
+
+def _apply_levers(model: Llama, cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: Memory,
+                  par: Parallel, precision, pretrained: bool) -> None:
+    """The levers on a plain model (or a pipeline stage of one) built on "meta", in order, then its weights."""
+    par.apply_tp(model)
+    par.apply_cp(model)
+    precision.apply(model)
     memory.apply(model, vocab_parallel_loss=cfg.parallel.tp > 1)
     if cfg.training.compile:
         compile_regions(model)
@@ -86,6 +96,30 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
     else:
         model.init_weights(seed=cfg.job.seed)
     precision.initialize(model)
+
+
+def _build_stages(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: Memory, par: Parallel, precision,
+                  pretrained: bool) -> torch.nn.Module:
+    """parallel.pp > 1: this rank's pipeline stages, each a plain model pruned to its units (keeping the plain
+    model's names, so each draws the same weights as the whole model would), every lever applied to each, driven
+    as one model by the schedule. The memory plan, which counts whole models, is not applied: plan/cluster.py
+    sizes pipeline stages."""
+    from holotrain.parallel.pp import stage_model
+
+    args = model_args(cfg)
+    stage_ids, units, n_stages = par.stage_units(args, cfg.data.seq_len)
+    stages = []
+    for first, last in units:
+        with torch.device("meta"):
+            stage = stage_model(Llama(args), first, last)
+        _apply_levers(stage, cfg, env, compute_dtype, memory, par, precision, pretrained)
+        stages.append(stage)
+    _, accum = batch_layout(cfg, data_parallel_size(cfg, env))
+    model = par.pipeline(stages, stage_ids, n_stages, accum)
+    if env.is_main:
+        print(f"holotrain: pipeline over {cfg.parallel.pp} ranks, {n_stages} stages ({cfg.parallel.pp_schedule}, "
+              f"{accum} micro-batches a step); this rank's units {units} of embedding, {args.n_layers} blocks, head",
+              flush=True)
     return model
 
 
@@ -205,7 +239,8 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
             return []
-        layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.parallel.tp * cfg.parallel.cp, cfg.job.seed)
+        layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.parallel.tp * cfg.parallel.cp, cfg.job.seed,
+                        cfg.parallel.pp)
         data = build_data(cfg.data, env, run_dir, job.tokenizer, layout, data_state, start_step)
         try:
             rows = _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, job.micro, job.accum,
@@ -256,7 +291,7 @@ def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, 
     logger = profiler.logger(cfg.training.steps, start_step)
     if env.is_main:
         print(
-            f"holotrain: {num_params(model) / 1e6:.1f}M parameters, world size {env.world_size}, device {env.device}, "
+            f"holotrain: {_whole_model_params(model) / 1e6:.1f}M parameters, world size {env.world_size}, device {env.device}, "
             f"{dtype}, batch {cfg.training.batch_size} x {cfg.data.seq_len} "
             f"(micro {micro}, accumulation {accum}), steps {start_step} -> {cfg.training.steps}, run dir {cfg.run_dir}"
         )
@@ -269,6 +304,11 @@ def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, 
         hardware.close()
         if logger is not None:
             logger.close()
+
+
+def _whole_model_params(model: torch.nn.Module) -> int:
+    """Every parameter of the model, those on other pipeline stages included."""
+    return getattr(model, "whole_model_params", None) or num_params(model)
 
 
 def _host_rss_gb() -> float | None:
@@ -288,9 +328,9 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
     args = model_args(cfg)
     # FLOPs for MFU: the linear layers' per token, and attention's from the documents the rows really hold (packed
     # documents attend only within themselves), 12 * n_layers * dim per (token, key) pair of the full square, as
-    # flops_per_token counts one sequence. A tensor- or context-parallel group shares its rows.
+    # flops_per_token counts one sequence. A tensor-, context- or pipeline-parallel group shares its rows.
     linear_per_step = flops_per_token(args, 0) * tokens_per_step / env.world_size
-    attention_per_pair = 12 * args.n_layers * args.dim / (cfg.parallel.tp * cfg.parallel.cp)
+    attention_per_pair = 12 * args.n_layers * args.dim / (cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp)
     pairs = torch.zeros((), dtype=torch.float64, device=env.device)  # this rank's, over the interval
     # The document-masked micro-batches' share of the causal triangle that flex_attention visits, summed over the
     # interval (the time model's attention density, plan/attention.py), and their count: read at log time only.
