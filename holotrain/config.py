@@ -182,8 +182,10 @@ class ParallelConfig(_Section):
     # Pipeline parallelism (holotrain/parallel/pp.py): ranks that each hold a contiguous share of the blocks (stages
     # balanced by cost, the embedding on the first and the head on the last), on torch.distributed.pipelining's
     # schedules: "1f1b", "interleaved" (2 stages per rank, looped), "zb1p" (interleaved zero bubble), "zbv" (zero bubble,
-    # 2 stages per rank in a V); "auto": the planner's choice. pp_microbatches: micro-batches per step in flight
-    # through the pipeline (0: training.batch_size's micro-batches, at least 2 x pp). 1 = off.
+    # 2 stages per rank in a V); "auto": interleaved when training.compile, else zbv (1f1b with too few blocks for two
+    # stages a rank). pp_microbatches: micro-batches per step through the pipeline, the step's gradient accumulation
+    # (0: as training.micro_batch_size makes them, else the fewest of at least 2 x pp that split a replica's rows).
+    # Not yet with parallel.tp or cp > 1, memory.offload, activation offload or delayed FP8. 1 = off.
     pp: int = 1
     pp_schedule: str = "auto"
     pp_microbatches: int = 0

@@ -20,8 +20,8 @@ def _resume_from(src, dst, step: int) -> None:
 @pytest.mark.slow
 def test_pipeline_trains_like_one_process_resumes_exactly_and_at_other_degrees(tmp_path):
     """pp=2 (the zbv schedule, chosen by auto) over 2 ranks, 4 micro-batches a step: losses and gradient norms as
-    one process's with the same accumulation. Killed while saving step 4, it resumes from its step-2 checkpoint to
-    the same losses, bit for bit. That step-2 checkpoint, resumed in one process (pp=1) and over 4 ranks (pp=4,
+    one process's with the same accumulation. With activation checkpointing and RAM snapshots, killed while saving
+    step 4, it resumes from its step-3 snapshot to the same losses, bit for bit. Its step-2 disk checkpoint, resumed in one process (pp=1) and over 4 ranks (pp=4,
     1f1b), gives step 3 the same loss. The pipelined run exports to one Hugging Face model file."""
     one, pp2, killed = tmp_path / "one", tmp_path / "pp2", tmp_path / "killed"
     common = {"training.steps": 6, "checkpoint.every": 2, "training.micro_batch_size": 2}
@@ -35,13 +35,15 @@ def test_pipeline_trains_like_one_process_resumes_exactly_and_at_other_degrees(t
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3), (ra, rb)
     assert b[-1]["loss"] < b[0]["loss"]
 
-    torchrun(2, "train", *tiny_args(killed, **common), "--parallel.pp=2", env={"HOLOTRAIN_KILL_DURING_SAVE": "4"},
-             ok=False)
+    # Every block recomputed in backward, and a snapshot in RAM after every step: the same losses.
+    recover = ("--parallel.pp=2", "--memory.activation_checkpointing=full", "--checkpoint.memory_every=1")
+    torchrun(2, "train", *tiny_args(killed, **common), *recover, env={"HOLOTRAIN_KILL_DURING_SAVE": "4"}, ok=False)
     assert sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-2"]
     at_pp1, at_pp4 = tmp_path / "at-pp1", tmp_path / "at-pp4"
     _resume_from(killed, at_pp1, 2)
     _resume_from(killed, at_pp4, 2)
-    torchrun(2, "train", *tiny_args(killed, **common), "--parallel.pp=2")
+    out = torchrun(2, "train", *tiny_args(killed, **common), *recover)
+    assert "resuming from the in-memory snapshot in " in out and "(step 3)" in out
     assert [r["loss"] for r in read_metrics(killed)] == [r["loss"] for r in b]
 
     short = {**common, "training.steps": 3}

@@ -75,7 +75,8 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
     if env.is_main and par.cp_mode:
         print(f"holotrain: context parallelism over {cfg.parallel.cp} ranks ({par.cp_mode})", flush=True)
     if env.is_main and precision.describe():
-        print(f"holotrain: {precision.describe()}", flush=True)
+        print(f"holotrain: {precision.describe()}" + (" of rank 0's pipeline stages" if cfg.parallel.pp > 1 else ""),
+              flush=True)
     return model
 
 
