@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from holotrain.parallel.pp import SCHEDULES, ZERO_BUBBLE, stages_per_rank
 
 __all__ = ["SCHEDULES", "ZERO_BUBBLE", "Order", "Timeline", "bubble_formula", "bubble_share_formula",
-           "memory_order", "peak_in_flight", "pipeline_step", "schedule_order", "simulate", "virtual_stages"]
+           "memory_order", "peak_in_flight", "pipeline_step", "predicted_bubble_share", "schedule_order", "simulate",
+           "virtual_stages"]
 
 Op = tuple[int, str, int]  # (stage, "F" | "B" | "I" | "W", micro-batch); "B" a whole backward, "I" its input half
 
@@ -302,3 +303,19 @@ def pipeline_step(schedule: str, pp: int, micro_batches: int, forward: float, ba
     v = order.virtual
     t = simulate(order, forward / v, backward_input / v, backward_weight / v, p2p_s)
     return PipelineStep(t.step_s, t.bubble_share, [x / v for x in peak_in_flight(order)])
+
+
+def predicted_bubble_share(schedule: str, pp: int, micro_batches: int, forward: Sequence[float],
+                          backward: Sequence[float], weight: Sequence[float] | float = 0.0,
+                          p2p_s: float = 0.0) -> float:
+    """The model's bubble share for a run's measured stage times, to set beside the bubble the run measured.
+
+    Per stage, stage 0 first (pp x stages per rank of them, as parallel/pp.py runs `schedule`): the mean seconds of
+    one micro-batch's forward (the last stage's with its loss), its backward (the whole backward where the schedule
+    runs it as one op, the input half where it splits it) and its weight half (0 where the backward is not split).
+    The simulator runs torch's order of the schedule with those times, so unequal stages and the costlier head are
+    in the prediction, which the closed forms leave out."""
+    order = schedule_order(schedule, pp, micro_batches)
+    if not order.split and any(_per_stage(weight, order.n_stages)):
+        raise ValueError(f"{schedule} runs each backward whole: give its time as `backward`, no weight half")
+    return simulate(order, forward, backward, weight, p2p_s).bubble_share

@@ -1,8 +1,9 @@
 """`holotrain report RUN_DIR` -> RUN_DIR/report.html: one self-contained page about a finished (or running) run.
 
 Reads `metrics.jsonl` (required), and when present `config.toml`, `telemetry.jsonl` (NVML samples, analysed by
-`holotrain.hw.dvfs`), `hw_probe.json` and `traces/`. Charts are inline SVG drawn here, in Python; the only
-script is a few lines that record each chart's rendered size (a self-check for tests and curious readers).
+`holotrain.hw.dvfs`), `hw_probe.json`, `plan.json`, `pipeline_timeline.json` (a pipeline step's schedule and bubble)
+and `traces/`. Charts are inline SVG drawn here, in Python; the only script is a few lines that record each chart's
+rendered size (a self-check for tests and curious readers).
 Every field may be null, NaN or missing: a chart without data becomes a one-line note, never an error.
 
 Layout: `data` reads the run directory and derives per-step figures, `charts` draws the SVG charts, `markup`
@@ -35,6 +36,7 @@ from holotrain.profile.report.data import (
     _weighted_mean,
 )
 from holotrain.profile.report.hardware import _hw_section, _probe_table
+from holotrain.profile.report.pipeline import pipeline_section
 from holotrain.profile.report.plan import plan_section
 from holotrain.profile.report.markup import CSS, SCRIPT, _figs, _fmt, _note, _pct, _section, _table, esc
 from holotrain.profile.report.sinks import _sinks
@@ -159,6 +161,9 @@ def write_report(run_dir) -> Path:
     planned = plan_section(run_dir, rows)
     if planned is not None:
         parts.append(_section("Plan: predicted and measured", planned, "plan"))
+    pipeline = pipeline_section(run_dir)
+    if pipeline is not None:
+        parts.append(_section("Pipeline schedule and bubble", pipeline, "pipeline"))
 
     # -- phases
     phase_keys = _phase_keys(rows)
