@@ -45,7 +45,7 @@ def _planned(config: str | None, overrides: list[str], plan: str) -> list[str]:
     import shutil
     from pathlib import Path
 
-    from holotrain.plan import make_plan, plan_overrides, print_table
+    from holotrain.plan.planner import make_plan, plan_overrides, print_table
     from holotrain.plan.machine import machine_fingerprint
     from holotrain.plan.planner import job_config, plan_device
 
@@ -90,7 +90,7 @@ def _plan(argv: list[str]) -> int:
         raise ConfigError("--nproc plans this node's GPUs and --cluster a cluster file's: give one of them")
     from pathlib import Path
 
-    from holotrain.plan import make_plan, print_table
+    from holotrain.plan.planner import make_plan, print_table
     from holotrain.plan.planner import job_config
 
     out = Path(known.out) if known.out else job_config(known.config, overrides).run_dir

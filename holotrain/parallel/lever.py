@@ -13,6 +13,7 @@ from holotrain.parallel.cp import apply_cp
 from holotrain.parallel.dp import apply_fsdp
 from holotrain.parallel.launch import DistEnv, device_mesh, fsdp_mesh
 from holotrain.parallel.pp import PipelineModel, rank_stages, stage_bounds, stages_per_rank, unit_costs
+from holotrain.parallel.pp_timeline import StageTimeline
 from holotrain.parallel.tp import apply_tp
 
 if TYPE_CHECKING:
@@ -53,8 +54,11 @@ class Parallel:
     def pipeline(self, stage_models: list[nn.Module], stage_ids: list[int], n_stages: int,
                  n_microbatches: int) -> PipelineModel:
         """This rank's stages, every other lever applied to each, as one model driven by the pipeline schedule."""
-        return PipelineModel(stage_models, stage_ids, n_stages, self.mesh["pp"], self.section.pp_schedule,
-                             n_microbatches, self.env.device)
+        model = PipelineModel(stage_models, stage_ids, n_stages, self.mesh["pp"], self.section.pp_schedule,
+                              n_microbatches, self.env.device)
+        # Each step's stage actions timed (a clock read around each), the latest kept for the logged bubble.
+        model.timeline = StageTimeline(model.pipeline, keep=1).on()
+        return model
 
     def metrics(self, steps: int) -> dict:
         return {}

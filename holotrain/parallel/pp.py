@@ -292,6 +292,7 @@ class PipelineModel(nn.Module):
         count = torch.tensor([sum(p.numel() for p in self.parameters())], dtype=torch.int64, device=device)
         dist.all_reduce(count, group=pp_mesh.get_group())
         self.whole_model_params = int(count.item())  # every stage's, for the console and the metrics
+        self.timeline = None  # a pp_timeline.StageTimeline, where the parallel lever switches one on
 
     def forward(self, *args, **kwargs):
         raise TypeError("a pipeline stage runs its micro-batches through PipelineModel.step, not forward")

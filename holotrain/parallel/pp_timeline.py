@@ -311,3 +311,21 @@ def write(path, gathered: dict, step: int | None = None) -> dict:
         if tmp.exists():
             tmp.unlink()
     return doc
+
+
+TIMELINE_FILE = "pipeline_timeline.json"
+
+
+def log_step(model, run_dir, step: int) -> dict:
+    """At a logged training step, under pipeline stages (`model` a PipelineModel whose timeline is on): the last
+    step gathered over each pipeline group, written to RUN_DIR/pipeline_timeline.json by rank 0, and its bubble
+    figures for the metrics row (rank 0; {} elsewhere and without stages). Collective over the pipeline groups."""
+    timeline = getattr(model, "timeline", None)
+    if timeline is None or not len(timeline):
+        return {}
+    gathered = timeline.gather()
+    if gathered is None or dist.get_rank() != 0:
+        return {}
+    doc = write(Path(run_dir) / TIMELINE_FILE, gathered, step)
+    return {"pp.bubble_share": doc["measured_bubble_share"], "pp.bubble_share_model": doc["predicted_bubble_share"],
+            "pp.bubble_share_textbook": doc["textbook_bubble_share"]}

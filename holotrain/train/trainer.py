@@ -35,6 +35,7 @@ from holotrain.parallel import DistEnv, init_distributed
 from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
 from holotrain.parallel.lever import build as build_parallel
+from holotrain.parallel.pp_timeline import log_step as pipeline_bubble
 from holotrain.profile.lever import build as build_profiler
 from holotrain.train.checkpoint import RUN_ID, latest_checkpoint, load_model_weights
 from holotrain.train.checkpointer import Checkpoints
@@ -423,10 +424,12 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                 "wall_time": time.time(),
                 "tokens": done * tokens_per_step,
                 **data.metrics(interval_steps),  # data.*
+                **pipeline_bubble(train_step.model, cfg.run_dir, done),  # pp.* (parallel.pp > 1)
                 "train.nonfinite_steps": skipped_total,
             }
             if done == cfg.training.steps:  # the last row: goodput so far (RUN_DIR/goodput.json: after teardown)
                 row.update(goodput.summary(checkpointer.blocking_total_s))
+            row.update(profiler.stragglers(row, cfg.parallel.pp))  # collective: straggler.*, rank.* (rank 0's row)
             if logger is not None:
                 logger.log(row)
                 rows.append(row)
