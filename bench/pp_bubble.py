@@ -21,6 +21,8 @@ change the time). Per case:
   +host      the model again with every action lengthened by its rank's host time between actions (the mean gap
              between consecutive actions shorter than a tenth of the rank's median action: the schedule posting
              and completing its sends and receives, which the model has nothing for), the busy time unchanged
+  calib.     the model with one host time per action for every rank and case, the first case's (--cases: 1f1b
+             at m=4 by default) mean gap: calibrated there, predicting the others
   textbook   the closed form with equal stages and F = B = W: (p-1)/(m+p-1) for 1f1b
 
 Run on a machine with at least 4 idle cores (fewer make the ranks contend and distort the bubble):
@@ -106,19 +108,27 @@ def one_way_send_s(rank: int, rounds: int = 30) -> float:
     return statistics.median(times[3:])
 
 
-def with_host_time(gathered: dict) -> float | None:
-    """The bubble share the model gives when each action also takes its rank's host time between actions."""
+def host_gaps(gathered: dict) -> list[float]:
+    """Per stage, its rank's host time between consecutive actions: the mean of the gaps shorter than a tenth of the
+    rank's median action (longer ones are waits for a peer)."""
     by_rank: dict[int, list[dict]] = {}
     for e in gathered["events"]:
         by_rank.setdefault(e["rank"], []).append(e)
-    order = schedule_order(gathered["schedule"], gathered["pp"], gathered["micro_batches"])
-    host = [0.0] * order.n_stages
+    host = [0.0] * (gathered["pp"] * gathered["stages_per_rank"])
     for events in by_rank.values():
         typical = statistics.median(e["end"] - e["start"] for e in events)
         gaps = [b["start"] - a["end"] for a, b in zip(events, events[1:])]
         short = [g for g in gaps if 0 <= g < typical / 10]
         for s in {e["stage"] for e in events}:
             host[s] = statistics.mean(short) if short else 0.0
+    return host
+
+
+def with_host_time(gathered: dict, host_s: float | None = None) -> float | None:
+    """The bubble share the model gives when each action also takes host time: its rank's own gaps in the same
+    step, or `host_s` for every action (a constant calibrated on another case)."""
+    order = schedule_order(gathered["schedule"], gathered["pp"], gathered["micro_batches"])
+    host = host_gaps(gathered) if host_s is None else [host_s] * order.n_stages
     times = gathered["stage_times_s"]
     if any(t is None for v in times.values() for t in v):
         return None
@@ -133,7 +143,8 @@ def with_host_time(gathered: dict) -> float | None:
     return 1 - busy / (gathered["pp"] * step_s)
 
 
-def run_case(base: Llama, pp_mesh, schedule: str, m: int, warmup: int, steps: int, p2p_s: float) -> dict:
+def run_case(base: Llama, pp_mesh, schedule: str, m: int, warmup: int, steps: int, p2p_s: float,
+             host_s: float | None = None) -> dict:
     """Trains `warmup` + `steps` steps of `schedule` with m micro-batches; on rank 0 the case's figures."""
     n_stages = PP * stages_per_rank(schedule)
     bounds = stage_bounds(unit_costs(ARGS, T), n_stages)
@@ -145,7 +156,7 @@ def run_case(base: Llama, pp_mesh, schedule: str, m: int, warmup: int, steps: in
     g = torch.Generator().manual_seed(1)  # the same batch on every rank, random rather than constant
     tokens = torch.randint(0, ARGS.vocab_size, (m, T), generator=g)
     targets = torch.randint(0, ARGS.vocab_size, (m, T), generator=g)
-    shares, predicted, with_sends, with_host, walls, last = [], [], [], [], [], None
+    shares, predicted, with_sends, with_host, calibrated, gaps, walls, last = [], [], [], [], [], [], [], None
     for step in range(warmup + steps):
         if step == warmup:
             timeline.clear()
@@ -161,6 +172,9 @@ def run_case(base: Llama, pp_mesh, schedule: str, m: int, warmup: int, steps: in
                 predicted.append(figures["predicted_bubble_share"])
                 with_sends.append(bubble_figures(last, p2p_s=p2p_s)["predicted_bubble_share"])
                 with_host.append(with_host_time(last))
+                gaps.append(statistics.mean(host_gaps(last)))
+                if host_s is not None:
+                    calibrated.append(with_host_time(last, host_s))
                 walls.append(figures["step_s"])
     timeline.off()
     if last is None:
@@ -172,12 +186,14 @@ def run_case(base: Llama, pp_mesh, schedule: str, m: int, warmup: int, steps: in
             "predicted_bubble_share": statistics.median(predicted),
             "predicted_with_sends": statistics.median(with_sends),
             "predicted_with_host": statistics.median(x for x in with_host if x is not None),
+            "host_gap_s": statistics.median(gaps),
+            "predicted_calibrated": statistics.median(calibrated) if calibrated and None not in calibrated else None,
             "textbook_bubble_share": textbook, "stage_times_s": last["stage_times_s"], "timeline": last}
 
 
 def print_table(results: list[dict]) -> None:
     head = f"{'schedule':<12}{'m':>4}{'step s':>9}{'measured':>10}{'model':>9}{'meas/model':>12}" \
-           f"{'+sends':>8}{'+host':>8}{'textbook':>10}{'meas/text':>11}   per-stage F / B (or I, W) ms, last step"
+           f"{'+sends':>8}{'+host':>8}{'calib.':>8}{'textbook':>10}{'meas/text':>11}   per-stage F / B (or I, W) ms, last step"
     print(head)
     print("-" * len(head))
     for r in results:
@@ -189,6 +205,7 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['schedule']:<12}{r['micro_batches']:>4}{r['step_s']:>9.3f}{r['measured_bubble_share']:>10.1%}"
               f"{pred:>9.1%}{r['measured_bubble_share'] / pred if pred else float('nan'):>12.2f}"
               f"{r['predicted_with_sends']:>8.1%}{r['predicted_with_host']:>8.1%}"
+              f"{r['predicted_calibrated'] if r['predicted_calibrated'] is not None else float('nan'):>8.1%}"
               f"{text if text is not None else float('nan'):>10.1%}"
               f"{r['measured_bubble_share'] / text if text else float('nan'):>11.2f}   {per_stage}")
 
@@ -219,8 +236,12 @@ def main() -> None:
     if rank == 0:
         print(f"one activation rank 0 -> 1: {p2p_s * 1e3:.3f} ms; rank 0 pinned to cpu {core}", flush=True)
     results = []
+    host_s = None  # the first case's host time per action, which predicts the others ("calibrated")
     for schedule, m in parse_cases(opts.cases):
-        result = run_case(base, mesh["pp"], schedule, m, opts.warmup, opts.steps, p2p_s)
+        result = run_case(base, mesh["pp"], schedule, m, opts.warmup, opts.steps, p2p_s, host_s)
+        if rank == 0 and host_s is None:
+            host_s = result["host_gap_s"]
+            print(f"host time per action, calibrated on {schedule} m={m}: {host_s * 1e3:.3f} ms", flush=True)
         if rank == 0:
             print(f"{schedule} m={m}: measured {result['measured_bubble_share']:.1%}, model "
                   f"{result['predicted_bubble_share']:.1%}", flush=True)
