@@ -19,7 +19,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-
 from holotrain.config_values import coerce
 from holotrain.data.sources import SourceConfig
 from holotrain.errors import ConfigError
@@ -234,6 +233,7 @@ class ProfileConfig(_Section):
     trace_steps: list = field(default_factory=list)  # steps (1-based) captured by torch.profiler, e.g. [10, 11]
     trace_max_mb: float = 64.0  # a trace file larger than this keeps only its longest events
     report: bool = True  # write RUN_DIR/report.html when training ends
+    straggler_margin: float = 0.2  # a rank this share over the median in a phase is named (stragglers.py); 0 = off
 
 
 @dataclass
@@ -449,10 +449,8 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(d.prefetch_steps >= 1, f"data.prefetch_steps must be >= 1, got {d.prefetch_steps}")
     need(d.vocab_size >= 259, f"data.vocab_size must be at least 259 (256 bytes + special tokens), got {d.vocab_size}")
     if tokenizer_vocab is not None:
-        need(
-            tokenizer_vocab <= m.vocab_size,
-            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab})",
-        )
+        need(tokenizer_vocab <= m.vocab_size,
+             f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab})")
     need(t.steps > 0, f"training.steps must be positive, got {t.steps}")
     need(t.batch_size > 0, f"training.batch_size must be positive, got {t.batch_size}")
     need(t.micro_batch_size >= 0, f"training.micro_batch_size must be >= 0, got {t.micro_batch_size}")
@@ -537,6 +535,7 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(all(s > 0 for s in p.trace_steps), f"profile.trace_steps are 1-based step numbers, got {p.trace_steps}")
     need(len(p.trace_steps) <= 16, f"profile.trace_steps: at most 16 steps are traced, got {len(p.trace_steps)}")
     need(p.trace_max_mb > 0, f"profile.trace_max_mb must be positive, got {p.trace_max_mb}")
+    need(p.straggler_margin >= 0, f"profile.straggler_margin must be >= 0 (0 = off), got {p.straggler_margin}")
     need(0 < hw.telemetry_hz <= 1000, f"hw.telemetry_hz must be in (0, 1000], got {hw.telemetry_hz}")
     need(hw.lock_sm_clock_mhz >= 0, f"hw.lock_sm_clock_mhz must be >= 0, got {hw.lock_sm_clock_mhz}")
     need(hw.power_limit_w >= 0, f"hw.power_limit_w must be >= 0, got {hw.power_limit_w}")

@@ -1,6 +1,6 @@
 """The profiling lever as the trainer sees it: the step phase clock, torch.profiler traces of chosen steps, the
-garbage collector's time (and the freezes that keep it off the hot path), and the report at the end of the run.
-Built from the `profile` section alone."""
+garbage collector's time (and the freezes that keep it off the hot path), the straggler check at logged steps, and the
+report at the end of the run. Built from the `profile` section alone."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from holotrain.profile.gc_clock import FULL_EVERY_STEPS, GcClock, freeze_long_li
 from holotrain.profile.goodput import Goodput
 from holotrain.profile.metrics import MetricsLogger
 from holotrain.profile.phases import PhaseClock
+from holotrain.profile.stragglers import StragglerCheck
 from holotrain.profile.trace import StepTracer
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class Profiler:
         self.gc = GcClock()  # host.gc_s: the interpreter's collections, which stall the launch of GPU work
         self.compiling = CompileClock()  # host.compile_s: torch.compile's time, mostly the first step's
         self._gc_thresholds: tuple[int, ...] | None = None  # the interpreter's, while the trainer collects itself
+        self._straggler_check = StragglerCheck(section.straggler_margin, env)
         self._refreeze = False
 
     def logger(self, total_steps: int, start_step: int) -> MetricsLogger | None:
@@ -64,6 +66,12 @@ class Profiler:
             self._refreeze = False
         return {**(self.clock.collect(steps) if self.clock is not None else {}), **self.gc.collect(steps),
                 **self.compiling.collect(steps)}
+
+    def stragglers(self, row: dict, stages: int = 1) -> dict:
+        """Collective, at every logged step after metrics(): the ranks' phase times gathered in one all-gather; a rank
+        slower than the median by profile.straggler_margin is named (console and straggler.* fields, rank 0's row),
+        with the per-rank lists rank.step_s and rank.time.*. `stages`: pipeline stages (ranks compared within one)."""
+        return self._straggler_check(row, self.clock.began if self.clock is not None else {}, stages)
 
     def close(self) -> None:
         self.tracer.close()

@@ -40,6 +40,7 @@ from holotrain.profile.report.pipeline import pipeline_section
 from holotrain.profile.report.plan import plan_section
 from holotrain.profile.report.markup import CSS, SCRIPT, _figs, _fmt, _note, _pct, _section, _table, esc
 from holotrain.profile.report.sinks import _sinks
+from holotrain.profile.report.stragglers import stragglers_section
 
 __all__ = ["write_report"]
 
@@ -189,6 +190,9 @@ def write_report(run_dir) -> Path:
     else:
         body = _note("No time.* phase times in metrics.jsonl (profile.phases off?).")
     parts.append(_section("Where each step goes", body, "phases"))
+    stragglers = stragglers_section(rows, cfg)
+    if stragglers is not None:
+        parts.append(_section("Stragglers: each rank's step", stragglers, "stragglers"))
 
     # -- hardware: clocks, power, energy, throttling
     parts.append(_section("Clocks, power and energy", _hw_section(rows, telemetry, analysis, devices, dvfs_note),

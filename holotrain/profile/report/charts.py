@@ -197,8 +197,9 @@ def _line_chart(series: list[dict], *, chart_id: str, title: str, x_label: str, 
 
 def _stacked_bars(xs: list[float], layers: list[tuple[str, list, str]], *, chart_id: str, title: str,
                   x_label: str, y_label: str, width: int = 2 * W + 16, height: int = H + 20,
-                  clip_outliers: bool = False) -> str:
-    """One stacked bar per x (bars averaged in groups above MAX_BARS). layers: [(name, values, color)].
+                  clip_outliers: bool = False, x_name: str = "step") -> str:
+    """One stacked bar per x (bars averaged in groups above MAX_BARS). layers: [(name, values, color)]; x_name
+    names an x in the bars' tooltips.
     clip_outliers: a bar more than 3x the median (the first, compiling step) is cut at twice the median and
     labelled with its value, so that it does not flatten every other bar."""
     n = len(xs)
@@ -239,7 +240,7 @@ def _stacked_bars(xs: list[float], layers: list[tuple[str, list, str]], *, chart
                 continue
             y_top, y_bot = y_of(min(y1, acc + v)), y_of(acc)
             out.append(f'<rect class="mark" x="{x:.1f}" y="{y_top:.1f}" width="{bw:.1f}" '
-                       f'height="{max(0.5, y_bot - y_top):.1f}" fill="{color}"><title>step {esc(_fmt(xs[i]))} '
+                       f'height="{max(0.5, y_bot - y_top):.1f}" fill="{color}"><title>{esc(x_name)} {esc(_fmt(xs[i]))} '
                        f'{esc(name)}: {esc(_fmt(v))} s</title></rect>')
             acc += v
         if totals[i] > y1:
