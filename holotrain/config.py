@@ -517,8 +517,7 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
         need(not (t.compile and par.pp_schedule in ("zb1p", "zbv")),
              f"parallel.pp_schedule = {par.pp_schedule!r} splits backward in a way torch.compile does not trace: "
              "set training.compile = false, or choose 1f1b or interleaved")
-        need(not (t.fp8 == "delayed"), "training.fp8 = 'delayed' does not run under parallel.pp > 1 yet; use "
-             "'tensorwise' there")
+        need(t.fp8 != "delayed", "training.fp8 = 'delayed' does not run under parallel.pp > 1 yet: use 'tensorwise'")
     need(par.cp_mode in ("auto", "ring", "alltoall"), f"parallel.cp_mode must be auto, ring or alltoall, got {par.cp_mode!r}")
     if par.cp > 1:
         need(d.seq_len % (2 * par.cp * par.tp) == 0, f"data.seq_len={d.seq_len} must divide by 2 x parallel.cp x "
