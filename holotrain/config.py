@@ -184,7 +184,7 @@ class ParallelConfig(_Section):
     # 2 stages per rank in a V); "auto": interleaved when training.compile, else zbv (1f1b with too few blocks for two
     # stages a rank). pp_microbatches: micro-batches per step through the pipeline, the step's gradient accumulation
     # (0: as training.micro_batch_size makes them, else the fewest of at least 2 x pp that split a replica's rows).
-    # Not yet with parallel.tp or cp > 1, memory.offload, activation offload or delayed FP8. 1 = off.
+    # Not yet with memory.offload, activation offload or delayed FP8. 1 = off.
     pp: int = 1
     pp_schedule: str = "auto"
     pp_microbatches: int = 0
@@ -505,8 +505,6 @@ def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
     need(par.pp_microbatches >= 0, f"parallel.pp_microbatches must be >= 0, got {par.pp_microbatches}")
     if par.pp > 1:
         # What pipeline stages do not run with yet, each in one line.
-        need(par.tp == 1 and par.cp == 1, f"parallel.pp > 1 does not combine with parallel.tp or parallel.cp > 1 "
-             f"yet (got tp={par.tp}, cp={par.cp}): use pipeline stages over data-parallel replicas")
         need(not cfg.memory.offload, "parallel.pp > 1 does not combine with memory.offload: use one of them")
         need(cfg.memory.activation_offload_blocks == 0,
              "parallel.pp > 1 does not combine with memory.activation_offload_blocks > 0 yet")

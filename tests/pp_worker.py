@@ -3,8 +3,8 @@
 Every rank computes the reference itself, once per data-parallel layout: the whole model trained for some steps
 by SGD, each replica's batch taken in n_microbatches micro-batches with holotrain's gradient accumulation (each
 micro-batch's mean loss over the count), the gradients averaged over replicas, clipped to a norm on the last step.
-On the same 4 ranks each layout (pp=4, and pp=2 x dp=2 with FSDP2 on every stage) cuts a copy of the model into
-cost-balanced stages and trains it with each schedule on the same packed documents (some targets masked; every
+On the same 4 ranks each layout (pp=4, pp=2 x dp=2 with FSDP2 on every stage, pp=2 x tp=2 with every stage split
+by tensor parallelism, pp=2 x cp=2 with every sequence split by ring context parallelism) cuts a copy of the model into cost-balanced stages and trains it with each schedule on the same packed documents (some targets masked; every
 third step single sequences, without doc_ids), comparing the loss and the whole model's gradient norm at every
 step, every parameter's gradient at the first, the clipping at the last, and the weights after it. Prints
 'PP WORKER OK' when all pass."""
@@ -20,19 +20,23 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from holotrain.config import ParallelConfig  # noqa: E402
 from holotrain.model import Llama, LlamaArgs  # noqa: E402
+from holotrain.parallel.cp import apply_cp  # noqa: E402
 from holotrain.parallel.dp import apply_fsdp  # noqa: E402
 from holotrain.parallel.launch import DistEnv, device_mesh, fsdp_mesh  # noqa: E402
 from holotrain.parallel.pp import (SCHEDULES, Pipeline, clip_grad_norm, grad_norm, rank_stages,  # noqa: E402
                                    stage_bounds, stage_model, stages_per_rank, unit_costs)
 from holotrain.parallel.teardown import destroy_process_groups  # noqa: E402
+from holotrain.parallel.tp import apply_tp  # noqa: E402
 
 T, MICRO = 32, 1  # tokens per row, rows per micro-batch
 MAX_NORM = 0.5  # below the gradients' norm: the clipping on the last step is active
 
-# pp -> optimizer steps: 20 where the stages hold no FSDP2 (pp=4 on 4 ranks), fewer with it (pp=2 x dp=2).
-STEPS = {4: 20, 2: 3}
-N_MICRO = {4: 4, 2: 4}  # micro-batches per step
+# (pp, tp, cp) -> optimizer steps: 20 where the stages are plain (pp=4 on 4 ranks), fewer where a second dimension
+# splits them (pp=2 x dp=2, pp=2 x tp=2, pp=2 x cp=2).
+STEPS = {(4, 1, 1): 20, (2, 1, 1): 3, (2, 2, 1): 3, (2, 1, 2): 3}
+N_MICRO = 4  # micro-batches per step
 
 
 def batch(rows: int, vocab: int, seed: int):
@@ -112,15 +116,22 @@ def reference(base: Llama, dp: int, n_micro: int, steps: int) -> Reference:
 def check_layout(base: Llama, mesh, schedule: str, steps: int, ref: Reference) -> str:
     args = base.args
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
+    tp, cp = (mesh[k].size() if k in mesh.mesh_dim_names else 1 for k in ("tp", "cp"))
     d = mesh["dp"].get_local_rank()  # this rank's replica: its rows
-    n_micro = N_MICRO[pp]
-    label = f"pp={pp} dp={dp} {schedule}"
+    n_micro = N_MICRO
+    label = f"pp={pp} dp={dp} tp={tp} cp={cp} {schedule}"
 
     n_stages = pp * stages_per_rank(schedule)
     bounds = stage_bounds(unit_costs(args, T), n_stages)
     stage_ids = rank_stages(mesh["pp"].get_local_rank(), pp, schedule)
     models = [stage_model(copy.deepcopy(base), *bounds[s]) for s in stage_ids]
-    if dp > 1:
+    if tp > 1:
+        for m in models:
+            apply_tp(m, mesh["tp"], ParallelConfig())
+    if cp > 1:
+        for m in models:
+            apply_cp(m, mesh["cp"], "ring")
+    if dp * cp > 1:  # FSDP2 averages the gradients over the replicas and a sequence's context-parallel ranks
         for m in models:
             apply_fsdp(m, fsdp_mesh(mesh), torch.float32, reshard_after_forward=True)
     pipe = Pipeline(models, stage_ids, n_stages, mesh["pp"], schedule, n_micro, torch.device("cpu"))
@@ -152,7 +163,7 @@ def check_layout(base: Llama, mesh, schedule: str, steps: int, ref: Reference) -
             held += 1
     held = torch.tensor([held])
     dist.all_reduce(held)
-    assert held.item() == len(ref.weights) * dp, (held.item(), len(ref.weights))  # each parameter on one stage
+    assert held.item() == len(ref.weights) * dp * tp * cp, (held.item(), len(ref.weights))  # each on one stage
     return f"{label}: stages {bounds}, {steps} steps: losses, gradients and weights equal one process's"
 
 
@@ -164,9 +175,9 @@ def main():
     torch.manual_seed(0)
     base = Llama(args)
     base.init_weights(seed=7)
-    for pp, steps in STEPS.items():
-        mesh = device_mesh(env, pp=pp)
-        ref = reference(base, mesh["dp"].size(), N_MICRO[pp], steps)
+    for (pp, tp, cp), steps in STEPS.items():
+        mesh = device_mesh(env, tp=tp, cp=cp, pp=pp)
+        ref = reference(base, mesh["dp"].size(), N_MICRO, steps)
         for schedule in SCHEDULES:
             line = check_layout(base, mesh, schedule, steps, ref)
             if rank == 0:

@@ -19,16 +19,16 @@ from tests.conftest import REPO
 
 
 @pytest.mark.slow
-def test_every_schedule_at_pp4_and_pp2xdp2_trains_as_one_process():
-    """One torchrun launch of 4 gloo ranks: 1f1b, interleaved, zb1p and zbv at pp=4 (20 steps) and at pp=2 x dp=2
-    with FSDP2 (3 steps), on packed documents with masked targets: losses, gradient norms, gradients and weights
-    equal one process's with gradient accumulation over the same micro-batches (fp32)."""
+def test_every_schedule_at_pp4_and_pp2_beside_dp_tp_or_cp_trains_as_one_process():
+    """One torchrun launch of 4 gloo ranks: 1f1b, interleaved, zb1p and zbv at pp=4 (20 steps), at pp=2 x dp=2
+    with FSDP2, at pp=2 x tp=2 and at pp=2 x cp=2 (ring) (3 steps each), on packed documents with masked targets: losses, gradient norms,
+    gradients and weights equal one process's with gradient accumulation over the same micro-batches (fp32)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "tests/pp_worker.py"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "PP WORKER OK" in proc.stdout, out[-6000:]
-    assert proc.stdout.count("weights equal one process's") == 2 * len(SCHEDULES), proc.stdout
+    assert proc.stdout.count("weights equal one process's") == 4 * len(SCHEDULES), proc.stdout
 
 
 def _largest(costs, bounds):

@@ -23,7 +23,8 @@ def test_pipeline_trains_like_one_process_resumes_exactly_and_at_other_degrees(t
     """pp=2 (the zbv schedule, chosen by auto) over 2 ranks, 4 micro-batches a step: losses and gradient norms as
     one process's with the same accumulation. With activation checkpointing and RAM snapshots, killed while saving
     step 5, it resumes from its step-4 snapshot to the same losses, bit for bit. Its step-3 disk checkpoint,
-    resumed in one process (pp=1) and over 4 ranks (pp=4, 1f1b), gives step 4 the same loss. The pipelined run exports to one Hugging Face model file."""
+    resumed in one process (pp=1), over 4 ranks (pp=4, 1f1b) and over 4 ranks as pp=2 x tp=2 (each stage split by
+    tensor parallelism), gives step 4 the same loss. The pipelined run exports to one Hugging Face model file."""
     one, pp2, killed = tmp_path / "one", tmp_path / "pp2", tmp_path / "killed"
     common = {"training.steps": 6, "checkpoint.every": 2, "training.micro_batch_size": 2}
     run_cli("train", *tiny_args(one, **common), env={"OMP_NUM_THREADS": "1"})
@@ -48,9 +49,9 @@ def test_pipeline_trains_like_one_process_resumes_exactly_and_at_other_degrees(t
                "--checkpoint.every=3", "--checkpoint.async_save=false")
     torchrun(2, "train", *tiny_args(killed, **common), *recover, env={"HOLOTRAIN_KILL_DURING_SAVE": "5"}, ok=False)
     assert sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-3"]
-    at_pp1, at_pp4 = tmp_path / "at-pp1", tmp_path / "at-pp4"
-    _resume_from(killed, at_pp1, 3)
-    _resume_from(killed, at_pp4, 3)
+    at_pp1, at_pp4, at_tp2 = tmp_path / "at-pp1", tmp_path / "at-pp4", tmp_path / "at-pp2-tp2"
+    for run in (at_pp1, at_pp4, at_tp2):
+        _resume_from(killed, run, 3)
     out = torchrun(2, "train", *tiny_args(killed, **common), *recover)
     assert "resuming from the in-memory snapshot in " in out and "(step 4)" in out
     assert [r["loss"] for r in read_metrics(killed)] == [r["loss"] for r in b]
@@ -59,7 +60,10 @@ def test_pipeline_trains_like_one_process_resumes_exactly_and_at_other_degrees(t
     run_cli("train", *tiny_args(at_pp1, **short), "--checkpoint.resume=true", env={"OMP_NUM_THREADS": "1"})
     out = torchrun(4, "train", *tiny_args(at_pp4, **short), "--parallel.pp=4", "--checkpoint.resume=true")
     assert "pipeline over 4 ranks, 4 stages (1f1b, 4 micro-batches a step)" in out
-    for run in (at_pp1, at_pp4):
+    out = torchrun(4, "train", *tiny_args(at_tp2, **short), "--parallel.pp=2", "--parallel.tp=2",
+                   "--parallel.pp_schedule=1f1b", "--checkpoint.resume=true")
+    assert "pipeline over 2 ranks, 2 stages (1f1b, 4 micro-batches a step)" in out
+    for run in (at_pp1, at_pp4, at_tp2):
         rows = read_metrics(run)
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         assert rows[3]["loss"] == pytest.approx(b[3]["loss"], abs=1e-5), (run.name, rows[3], b[3])

@@ -295,6 +295,9 @@ class Llama(nn.Module):
         # takes the previous stage's hidden state where it has no embedding, and returns its blocks' output (the
         # pipeline schedule applies `loss` on the last stage).
         self.pipeline_stage = False
+        # Set by parallel/tp.py and cp.py: the hidden state between blocks holds 1/sequence_shards of each sequence's
+        # tokens (sequence parallelism, context parallelism), as a pipeline stage without the embedding receives it.
+        self.sequence_shards = 1
         if not self.output.weight.is_meta:  # a model built on "meta" is initialized after placement
             self.init_weights()
 
@@ -358,18 +361,18 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [B, T] int64 (on a pipeline stage without the embedding: the hidden state [B, T, dim]). Returns
+        """tokens: [B, T] int64 (on a pipeline stage without the embedding: the hidden state [B, T / sequence_shards, dim]). Returns
         logits [B, T, V], or the mean cross-entropy if targets are given (positions where targets are -100 are
         ignored); on a pipeline stage, the hidden state after its blocks.
 
         doc_ids: optional [B, T] int64, non-decreasing along T, the document of each token in a packed row.
         With it, positions restart at every document and no token attends across documents.
         """
-        T = tokens.shape[1]
+        T = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.sequence_shards)
         weight = None
         if self.context_parallel is not None:
             # This rank's share of the sequence, its positions, and the attention that spans the group.
-            tokens, targets, pos, mask, weight = self.context_parallel.split(tokens, targets, doc_ids)
+            tokens, targets, pos, mask, weight = self.context_parallel.split(tokens, targets, doc_ids, T)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         elif doc_ids is None:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None

@@ -52,6 +52,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, mode: str, tp: int = 1) -> C
     a = model.args
     cp = ContextParallel(cp_mesh, resolve_mode(mode, cp_mesh.size(), a.n_heads // tp, a.n_kv_heads // tp))
     model.context_parallel = cp
+    model.sequence_shards *= cp.size  # the hidden state between blocks holds this rank's chunks
     return cp
 
 
@@ -78,9 +79,11 @@ class ContextParallel:
             self._index[key] = index.to(device)
         return self._index[key]
 
-    def split(self, tokens: torch.Tensor, targets: torch.Tensor | None, doc_ids: torch.Tensor | None):
-        """(tokens, targets, positions, attention, loss weight) of this rank's share of the micro-batch [B, T]."""
-        B, T = tokens.shape
+    def split(self, tokens: torch.Tensor, targets: torch.Tensor | None, doc_ids: torch.Tensor | None, T: int):
+        """(tokens, targets, positions, attention, loss weight) of this rank's share of the micro-batch of T tokens
+        a row. tokens: [B, T] ids, or on a pipeline stage without the embedding the previous stage's hidden state,
+        already this rank's share (kept as it is)."""
+        B = tokens.shape[0]
         index = self.local_index(T, tokens.device)
         pos = (torch.arange(T, device=tokens.device).expand(B, T) if doc_ids is None else doc_positions(doc_ids))
         if self.mode == "ring":
@@ -89,9 +92,15 @@ class ContextParallel:
             attend = AllToAllAttention(self, doc_ids)
         weight = None
         if targets is not None:
-            targets = targets[:, index]
-            weight = self.loss_weight(targets)
-        return tokens[:, index], targets, pos[:, index], attend, weight
+            targets, weight = self.split_targets(targets)
+        if tokens.dim() == 2:
+            tokens = tokens[:, index]
+        return tokens, targets, pos[:, index], attend, weight
+
+    def split_targets(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the targets [B, T], and the weight of its mean loss (`loss_weight`)."""
+        targets = targets[:, self.local_index(targets.shape[1], targets.device)]
+        return targets, self.loss_weight(targets)
 
     @torch.no_grad()
     def loss_weight(self, targets: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,10 @@ leave the last stage the bottleneck.
 
 A stage is the plain model with the other units' modules removed (`stage_model`); the ones it keeps keep their
 names, so its state_dict is the plain model's restricted to the stage, and a checkpoint written at one pipeline
-degree loads at any other. Parallel levers of the other dimensions (FSDP2 over "dp", compile, activation
-checkpointing) are applied to each stage model as to a whole one.
+degree loads at any other. The levers of the other dimensions (tensor and context parallelism, FSDP2 over "dp" and
+"cp", compile, activation checkpointing) are applied to each stage model as to a whole one. Between stages each rank
+passes its own share of the hidden state (its sequence-parallel block, its context-parallel chunks) to the rank of
+the same tp and cp index on the next stage.
 
 Schedules (`SCHEDULES`):
 - "1f1b": one stage per rank, one forward then one backward in the steady state.
@@ -211,7 +213,11 @@ class Pipeline:
         def micro_batch_loss(h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             # As holotrain's gradient accumulation does: each micro-batch's mean loss over the count, summed by
             # backward; hence scale_grads=False below (torch would otherwise divide the gradients by the count).
-            return last.loss(h, targets) / n_microbatches
+            if last.context_parallel is None:
+                return last.loss(h, targets) / n_microbatches
+            # Context parallelism: this rank's share of the targets, its mean weighted as Llama.forward does.
+            targets, weight = last.context_parallel.split_targets(targets)
+            return last.loss(h, targets) * weight / n_microbatches
 
         # A stage of the head alone returns its input as it came from the previous stage, a view of the transfer
         # buffer, which FSDP2 warns of at every step; only the loss function reads it, out of place.
@@ -239,6 +245,10 @@ class Pipeline:
         else:
             loss = torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # only the last stage's rank adds anything
+        cp = self.models[0].context_parallel
+        if cp is not None:  # each rank's loss is its weighted share of the sequence's: their mean is the sequence's
+            dist.all_reduce(loss, group=cp.group)
+            loss /= cp.size
         return loss
 
 

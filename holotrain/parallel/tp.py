@@ -83,7 +83,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, section: TPSection) -> TPCom
         "norm": SequenceParallelNorm(comm),
         "output": VocabParallelHead(comm),
     }
-    parallelize_module(model, tp_mesh, plan)
+    # A pipeline stage (parallel/pp.py) holds some of the modules, the others None: split only those it has.
+    held = {"tok_embeddings": model.tok_embeddings is not None, "layers": len(model.layers) > 0,
+            "norm": model.norm is not None, "output": model.output is not None}
+    parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if held[k.split(".")[0]]})
+    model.sequence_shards *= tp  # the hidden state between blocks holds one block of each sequence's tokens
     model.tie_weights()  # the embedding and the head are split alike (Shard(0) over the vocabulary)
     model.loss = functools.partial(_vocab_parallel_loss, model, comm)
     model.tp_comm = comm
