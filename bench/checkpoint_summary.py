@@ -52,6 +52,11 @@ def main(out: Path) -> None:
         print(f"tokens/s over steps 21-300: no checkpoints {a:,.0f}; checkpoint.every=100 {b:,.0f}; ratio {b / a:.3f}")
         print(f"every100: blocking per save (step, s) {saves(every)}; background writes (s) "
               f"{[x['checkpoint.write_s'] for x in every if x.get('checkpoint.write_s')]}")
+    mem50 = rows(out, "mem50")
+    if base and mem50:
+        a, b = training_rate(base, 20), training_rate(mem50, 20)
+        print(f"tokens/s over steps 21-300: no checkpoints {a:,.0f}; checkpoint.memory_every=50 {b:,.0f}; ratio "
+              f"{b / a:.3f}; RAM snapshot blocking (step, s) {saves(mem50)}")
     before, after = rows(out, "memkill-before"), rows(out, "memkill")
     if before and after:
         print(f"memkill: RAM snapshot blocking (step, s) {saves(before)}")

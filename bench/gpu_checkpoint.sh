@@ -9,6 +9,7 @@
 #   offload  memory.offload = true (states in host memory), 60 steps, a disk save every 30
 #   offnone  the same without checkpoints: the reference tokens/s for offload
 #   offmem   offload with a disk save every 30 and an in-memory snapshot every 10
+#   mem50    300 steps with an in-memory snapshot every 50 (one rank: no replica), against nockpt
 # Usage (repo root, on the GPU machine): bash bench/gpu_checkpoint.sh OUT_DIR [PARTS]
 set -uo pipefail
 out=${1:?output directory}
@@ -22,6 +23,9 @@ for part in ${parts//,/ }; do
     nockpt) timeout 280 "${train[@]}" --training.steps=300 --checkpoint.every=0 --checkpoint.save_final=false \
               --job.run_dir=/tmp/ck-nockpt > "$out/nockpt.log" 2>&1
             cp /tmp/ck-nockpt/metrics.jsonl "$out/nockpt.jsonl" ;;
+    mem50) timeout 300 "${train[@]}" --training.steps=300 --checkpoint.every=0 --checkpoint.save_final=false \
+              --checkpoint.memory_every=50 --job.run_dir=/tmp/ck-mem50 > "$out/mem50.log" 2>&1
+            cp /tmp/ck-mem50/metrics.jsonl "$out/mem50.jsonl"; rm -rf /tmp/ck-mem50 ;;
     every100) timeout 300 "${train[@]}" --training.steps=300 --checkpoint.every=100 --checkpoint.keep=1 \
               --job.run_dir=/tmp/ck-every > "$out/every100.log" 2>&1
             cp /tmp/ck-every/metrics.jsonl "$out/every100.jsonl"; rm -rf /tmp/ck-every ;;

@@ -20,9 +20,10 @@ from tests.conftest import REPO
 
 @pytest.mark.slow
 def test_every_schedule_at_pp4_and_pp2_beside_dp_tp_or_cp_trains_as_one_process():
-    """One torchrun launch of 4 gloo ranks: 1f1b, interleaved, zb1p and zbv at pp=4 (20 steps), at pp=2 x dp=2
-    with FSDP2, at pp=2 x tp=2 and at pp=2 x cp=2 (ring) (3 steps each), on packed documents with masked targets: losses, gradient norms,
-    gradients and weights equal one process's with gradient accumulation over the same micro-batches (fp32)."""
+    """One torchrun launch of 4 gloo ranks: 1f1b, interleaved, zb1p and zbv at pp=4 and at pp=2 x dp=2 with FSDP2
+    (20 steps each), at pp=2 x tp=2 and at pp=2 x cp=2 (ring) (5 steps each), on packed documents with masked
+    targets: losses, gradient norms, gradients and weights equal one process's with gradient accumulation over the
+    same micro-batches (fp32)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "tests/pp_worker.py"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
