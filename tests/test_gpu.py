@@ -34,3 +34,40 @@ def test_attention_kernels_agree_with_math(kernel):
     with attention_kernels(kernel, torch.device("cuda")):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_gpu_checkpoint_copy_runs_behind_the_step_and_holds_the_saved_step():
+    """A save's device-to-host copy is queued on a stream of its own and overlaps the next step; the optimizer's
+    next update waits for it on the device. The copy holds the state of the step it was taken at, although the next
+    update was queued before the copy was complete (0.8 GB of weights and moments, about 15 ms to copy)."""
+    from holotrain.config import TrainingConfig
+    from holotrain.optim import AdamWHyper, DeviceAdamW
+    from holotrain.train.checkpoint import training_state
+    from holotrain.train.checkpointer import HostSnapshot
+    from holotrain.train.hostcopy import leaves
+
+    device = torch.device("cuda", torch.cuda.current_device())  # as the trainer's: with its index
+    model = torch.nn.Linear(8192, 8192, bias=False, device=device)
+    optimizer = DeviceAdamW(model, AdamWHyper.from_section(TrainingConfig()), 1e-2, sharded=False)
+    x = torch.randn(64, 8192, device=device)
+
+    def step():
+        optimizer.begin(1e-2, 1)
+        model(x).square().mean().backward()
+        optimizer.finish()
+
+    step()
+    snapshot = HostSnapshot(device)
+    state = training_state(optimizer)
+    expected = {path: t.detach().cpu().clone() for path, t in leaves(state) if isinstance(t, torch.Tensor)}
+    try:
+        copied = snapshot.take(state, optimizer)
+        step()  # its update is queued at once, behind the copy
+        snapshot.ready()
+        got = {path: t for path, t in leaves(copied) if isinstance(t, torch.Tensor)}
+        assert got.keys() == expected.keys()
+        for path, want in expected.items():
+            assert torch.equal(got[path].cpu(), want), path
+        assert not torch.equal(model.weight.detach().cpu(), expected[("model", "weight")])  # the next step updated
+    finally:
+        snapshot.release()

@@ -52,6 +52,11 @@ class StepOptimizer(Protocol):
     def held_paths(self) -> frozenset:
         """Where hold()'s held tensors are in its state (paths of nested keys)."""
 
+    def update_after(self, event: torch.cuda.Event) -> bool:
+        """Makes the next update of state_dict()'s device tensors wait (on the device) for `event`, the end of
+        copies of them queued on another stream; False where the state is written before that update, and the
+        caller must wait for the copies itself."""
+
     def close(self) -> None:
         """Releases threads and memory; safe to call twice."""
 
@@ -121,6 +126,7 @@ class DeviceAdamW:
         self.fold_clip = not sharded
         # A pipeline stage's model (parallel/pp.py) gives the norm over every stage, which clipping must use.
         self.whole_norm = getattr(model, "grad_norm", None)
+        self._copies: list[torch.cuda.Event] = []  # checkpoint copies of the state still reading it (update_after)
 
     def begin(self, lr: float, accum: int) -> None:
         for group in self.optimizer.param_groups:
@@ -128,6 +134,9 @@ class DeviceAdamW:
 
     def finish(self) -> torch.Tensor:
         with self._phase("optimizer"):
+            for event in self._copies:  # the weights and moments change below: a copy of them must be complete
+                torch.cuda.current_stream().wait_event(event)
+            self._copies.clear()
             if self.fold_clip:
                 grads = [p.grad for p in self.model.parameters() if p.grad is not None]
                 grad_norm = torch.nn.utils.get_total_norm(grads)
@@ -169,6 +178,12 @@ class DeviceAdamW:
         return None
 
     held_paths = frozenset()
+
+    def update_after(self, event: torch.cuda.Event) -> bool:
+        # Only finish() writes the weights and moments: forward and backward read them, and the buffers that
+        # forward updates (FP8 scales) are not in the state.
+        self._copies.append(event)
+        return True
 
     def close(self) -> None:
         pass

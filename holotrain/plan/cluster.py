@@ -35,8 +35,8 @@ Time, per step, on the busiest rank (seconds):
               pp, torch's stages keep the weights gathered and the gradients unreduced over the step (their memory
               counted) and reduce-scatter once after the last backward, exposed for the chunk that finishes last
   optimizer   the device AdamW over the rank's shard (plan/cost.py: DEVICE_ADAMW_S_PER_PARAM)
-  checkpoint  a save's blocking time (train/checkpointer.py: save_blocking_s, an async save's device-to-host copy, or
-              the cluster's checkpoint_save_s) over the Young/Daly interval, which is no shorter than a node's
+  checkpoint  a save's blocking time (train/checkpointer.py: save_blocking_s, an async save's queueing and what of its
+              device-to-host copy outlasts the next step's compute, or the cluster's checkpoint_save_s) over the Young/Daly interval, which is no shorter than a node's
               background write of its ranks' state at the disk rate train/checkpointer.py measured (DISK_BYTES_S)
 MFU: the model's FLOPs by the 6N + 12 L d T convention (model/llama.py: flops_per_token) over the step time and the
 GPUs' bf16 peak.
@@ -483,7 +483,7 @@ def evaluate(a: LlamaArgs, cluster: Cluster, seq_len: int, lay: Layout, simulate
                   "pp_p2p": p2p, "fsdp": fsdp,
                   "optimizer": params_rank / n_f * DEVICE_ADAMW_S_PER_PARAM["fp32"]}
     out.save_s = (cluster.checkpoint_save_s if cluster.checkpoint_save_s is not None
-                  else save_blocking_s(int(params_rank / n_f), 0, False, None))
+                  else save_blocking_s(int(params_rank / n_f), 0, False, None, overlap_s=busy))
     mtbf_s = cluster.job_mtbf_hours * 3600
     step = out.step_s
     # One background write at a time (train/checkpointer.py): no interval shorter than a node's write.

@@ -289,7 +289,8 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     delayed = cfg.memory.offload_delayed_update
     held = not delayed and plan.host_need + 12 * offloaded / ranks <= plan.host_capacity
     save_s = save_blocking_s((plan.n_params - offloaded) // ranks, offloaded // ranks, held,
-                             None if machine.device == "cuda" else machine.host_copy_bytes_s, 16 if delayed else 14)
+                             None if machine.device == "cuda" else machine.host_copy_bytes_s, 16 if delayed else 14,
+                             overlap_s=compute)
     if cfg.checkpoint.every:
         phases["checkpoint"] = save_s / cfg.checkpoint.every
     if calib.loader_tokens_s:

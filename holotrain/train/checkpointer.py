@@ -38,7 +38,7 @@ from holotrain.train.checkpoint import (
     why_unusable,
     write_checkpoint,
 )
-from holotrain.train.hostcopy import FlatLayout, copy_into
+from holotrain.train.hostcopy import BehindTheStep, FlatLayout
 from holotrain.train.snapshots import RamSnapshots, Restorer, discard, forget_newer
 
 if TYPE_CHECKING:
@@ -46,24 +46,33 @@ if TYPE_CHECKING:
     from holotrain.parallel import DistEnv
 
 
-# What a save blocks for, as the planner predicts it: the device-resident state (fp32 weights and moments, 12
-# bytes per parameter) copied at the device-to-host rate (pinned, measured on an H200), or at the host's copy
-# rate on a CPU; host-resident offload state is held, not copied (bench/RESULTS.md). Offload state the host has
-# no room to hold (nor a delayed update's, which is never held) is written to disk while training waits, at the
-# rate the H200 machine's disk wrote a 1.4b checkpoint (under 0.6 GB/s), about 14 bytes a parameter (bf16
-# weights, fp32 masters and moments; 16 with a delayed update's working weights).
+# What a save costs training, as the planner predicts it. The device-resident state (fp32 weights and moments, 12
+# bytes per parameter) is copied at the device-to-host rate (pinned, measured on an H200) behind the next step's
+# forward and backward, which hide it but for what outlasts them; queueing it (the state dict, a copy per tensor)
+# blocks the loop for QUEUE_S (0.059-0.078 s for the 1.4b's). On a CPU the copy runs at the host's copy rate
+# while training waits; so does it beside the offload engine, which writes device weights during the step. Its
+# host-resident state is held, not copied (bench/RESULTS.md). Offload state the host has no room to hold (nor a
+# delayed update's, which is never held) is written to disk while training waits, at the rate the H200 machine's
+# disk wrote a 1.4b checkpoint (under 0.6 GB/s), about 14 bytes a parameter (bf16 weights, fp32 masters and
+# moments; 16 with a delayed update's working weights).
 D2H_BYTES_S = 51e9
+QUEUE_S = 0.07
 HELD_SAVE_S = 0.05
 DISK_BYTES_S = 0.6e9
 
 
 def save_blocking_s(device_params: int, offloaded_params: int, held: bool, host_copy_bytes_s: float | None,
-                    bytes_per_param: int = 14) -> float:
-    """Seconds a save blocks training: `host_copy_bytes_s` None on a GPU; `held`: the offload engine holds its
-    state for the writer."""
+                    bytes_per_param: int = 14, overlap_s: float = 0.0) -> float:
+    """Seconds a save costs the step loop: `host_copy_bytes_s` None on a GPU; `held`: the offload engine holds its
+    state for the writer; `overlap_s`: the next step's forward and backward, which a GPU's copy runs behind."""
     if offloaded_params and not held:
         return (device_params + offloaded_params) * bytes_per_param / DISK_BYTES_S
-    return device_params * 12 / (host_copy_bytes_s or D2H_BYTES_S) + (HELD_SAVE_S if offloaded_params else 0.0)
+    copy_s = device_params * 12 / (host_copy_bytes_s or D2H_BYTES_S)
+    if offloaded_params:
+        return copy_s + HELD_SAVE_S
+    if host_copy_bytes_s is None:
+        return QUEUE_S + max(0.0, copy_s - overlap_s)
+    return copy_s
 
 
 class Checkpointer(BackgroundWriter):
@@ -130,12 +139,13 @@ class Checkpointer(BackgroundWriter):
         else:
             held = optimizer.hold() if self.holds else None
             state = training_state(optimizer, held)
-            copied = self.snapshot.take(state, held.paths if held is not None else frozenset())
+            copied = self.snapshot.take(state, optimizer, held.paths if held is not None else frozenset())
             self._start(self._write, held, step, copied, trainer_state, extra_files, name="holotrain-checkpoint")
         self._blocked(t0)
 
     def _write(self, held, step: int, state: dict, trainer_state: dict, extra_files: dict[str, str] | None) -> None:
         try:
+            self.snapshot.ready()
             if held is not None:
                 held.ready()
             write_checkpoint(self.run_dir, step, state, trainer_state, self.keep, extra_files, self.group,
@@ -157,13 +167,14 @@ class Checkpointer(BackgroundWriter):
 class HostSnapshot:
     """A copy of a state dict in host memory, in one flat buffer allocated at the first save (or ahead of it) and
     reused after (a 1.4b's 16 GB once, not per save): page-locked on a GPU at its exact size, so the device-to-host
-    copies run at full bandwidth, all queued before one synchronization. Host tensors (the offload engine's
+    copies run at full bandwidth, behind the step (hostcopy.BehindTheStep). Host tensors (the offload engine's
     masters and moments) are copied too, since training goes on updating them while the copy is written."""
 
     def __init__(self, device: torch.device):
         self.device, self.pin = device, device.type == "cuda"
         self.layout: FlatLayout | None = None
         self._buf: torch.Tensor | None = None
+        self._copies = BehindTheStep(device)
 
     def allocate(self, layout: FlatLayout) -> None:
         """Allocates the buffer (in a thread of its own: on this rank's device, not the default one)."""
@@ -174,18 +185,20 @@ class HostSnapshot:
                                                                                            dtype=torch.uint8)
         self.layout = layout
 
-    def take(self, state: dict, skip: frozenset = frozenset()) -> dict:
-        """`state` with its tensors (but those at the paths in `skip`, left as they are) replaced by copies."""
+    def take(self, state: dict, optimizer, skip: frozenset = frozenset()) -> dict:
+        """`state` with its tensors (but those at the paths in `skip`, left as they are) replaced by copies, complete
+        once `ready()` returns."""
         layout = FlatLayout.of(state, skip)
         if layout != self.layout:
             self.allocate(layout)
-        copied = copy_into(state, layout, self._buf, non_blocking=self.pin)
-        if self.pin:
-            torch.cuda.synchronize()
-        return copied
+        return self._copies.copy(state, layout, self._buf, optimizer)
+
+    def ready(self) -> None:
+        self._copies.ready()
 
     def release(self) -> None:
         """No copy may still be reading the buffer."""
+        self._copies.ready()
         if self._buf is not None:
             unregister(self._buf)
             self._buf, self.layout = None, None

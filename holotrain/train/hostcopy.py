@@ -5,6 +5,7 @@ files share this layout."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -83,26 +84,63 @@ class FlatLayout:
 
 
 def copy_into(state: dict, layout: FlatLayout, buf: torch.Tensor, non_blocking: bool,
-              skip: frozenset = frozenset()) -> dict:
+              skip: frozenset = frozenset(), stream: torch.cuda.Stream | None = None) -> dict:
     """Copies every tensor of `state` that the layout places (but those at the paths in `skip`) into its place in
-    `buf`: device tensors queued (when non_blocking the caller synchronizes), host tensors (the offload engine's
-    masters and moments: most of the bytes, then) on several threads at once, as one thread is far from the host's
-    memory bandwidth. Returns the state with those copies in place of the tensors (a DTensor's copy wrapped again on
-    its mesh, as DCP saves host DTensors); other tensors stay as they are."""
+    `buf`: device tensors queued (when non_blocking the caller synchronizes; on `stream`, behind the work already
+    queued on the current one), host tensors (the offload engine's masters and moments: most of the bytes, then) on
+    several threads at once, as one thread is far from the host's memory bandwidth. Returns the state with those
+    copies in place of the tensors (a DTensor's copy wrapped again on its mesh, as DCP saves host DTensors); other
+    tensors stay as they are."""
     copies, host = {}, []
-    for path, leaf in leaves(state):
-        if isinstance(leaf, torch.Tensor) and path in layout.entries and path not in skip:
-            dst, src = layout.view(buf, path), local(leaf).detach()
-            if src.device.type == "cpu" and src.is_contiguous():
-                host.append((dst.view(-1), src.view(-1)))
-            else:
-                dst.copy_(src, non_blocking=non_blocking)
-            if isinstance(leaf, DTensor):
-                dst = DTensor.from_local(dst, leaf.device_mesh, leaf.placements, run_check=False, shape=leaf.shape,
-                                         stride=leaf.stride())
-            copies[path] = dst
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for path, leaf in leaves(state):
+            if isinstance(leaf, torch.Tensor) and path in layout.entries and path not in skip:
+                dst, src = layout.view(buf, path), local(leaf).detach()
+                if src.device.type == "cpu" and src.is_contiguous():
+                    host.append((dst.view(-1), src.view(-1)))
+                else:
+                    dst.copy_(src, non_blocking=non_blocking)
+                    if stream is not None and src.is_cuda:
+                        src.record_stream(stream)  # a temporary of the state dict is not reused while it is read
+                if isinstance(leaf, DTensor):
+                    dst = DTensor.from_local(dst, leaf.device_mesh, leaf.placements, run_check=False,
+                                             shape=leaf.shape, stride=leaf.stride())
+                copies[path] = dst
     _parallel_copy(host)
     return replace_leaves(state, copies)
+
+
+class BehindTheStep:
+    """Device-to-host copies of the training state that run while the next step computes (on a GPU): queued on a
+    stream of their own behind the step just finished, they overlap the next step's forward and backward, which
+    only read the weights and moments; the optimizer's next update waits for them on the device
+    (StepOptimizer.update_after). The host waits only where the optimizer cannot defer its update (the offload
+    engine, which writes device weights during the step), and the reader of the copy waits in `ready`."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.event: torch.cuda.Event | None = None
+
+    def copy(self, state: dict, layout: FlatLayout, buf: torch.Tensor, optimizer,
+             skip: frozenset = frozenset()) -> dict:
+        """copy_into(state, ...) into `buf` (page-locked on a GPU); returns the copies, which are complete only
+        after `ready()`."""
+        copied = copy_into(state, layout, buf, non_blocking=self.stream is not None, skip=skip, stream=self.stream)
+        if self.stream is not None:
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+            if not optimizer.update_after(self.event):
+                self.ready()
+        return copied
+
+    def ready(self) -> None:
+        """Waits for the copies (on any thread). One copy at a time: the caller waits for the reader of the last
+        one before it queues the next."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
 
 
 def _parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

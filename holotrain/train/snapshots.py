@@ -44,7 +44,7 @@ from holotrain.train.checkpoint import (
     run_id,
     training_state,
 )
-from holotrain.train.hostcopy import FlatLayout, copy_from, copy_into, leaves, replace_leaves
+from holotrain.train.hostcopy import BehindTheStep, FlatLayout, copy_from, copy_into, leaves, replace_leaves
 
 if TYPE_CHECKING:
     from holotrain.config import CheckpointConfig
@@ -126,6 +126,7 @@ class RamSnapshots(BackgroundWriter):
         self._slot_steps: list[int] | None = None  # the step each own slot holds (-1: none), read at the first save
         self._allocating: threading.Thread | None = None
         self.holds = False  # the optimizer can hold its host-resident state for the background thread
+        self._copies = BehindTheStep(env.device)  # the device-to-host copies, overlapping the next step
 
     # ----------------------------------------------------------------------------------------------------------
     # Saving
@@ -203,10 +204,8 @@ class RamSnapshots(BackgroundWriter):
         slot = self.own[self._slot_steps.index(min(self._slot_steps))]  # the older one: the newer stays whole
         slot.invalidate()
         self._slot_steps[slot.index] = -1
-        copy_into(state, layout, self._bufs[slot.index], non_blocking=self.pin,
-                  skip=held.paths if held is not None else frozenset())
-        if self.pin:
-            torch.cuda.synchronize()
+        self._copies.copy(state, layout, self._bufs[slot.index], optimizer,
+                          skip=held.paths if held is not None else frozenset())
         header = {"step": step, RUN_ID: self.run_id, "world_size": self.env.world_size, "rank": self.env.rank,
                   "slot": slot.index, "nbytes": layout.nbytes, "layout": layout.describe(),
                   "values": [[list(p), v] for p, v in leaves(state) if not isinstance(v, torch.Tensor)],
@@ -217,6 +216,7 @@ class RamSnapshots(BackgroundWriter):
     def _publish(self, slot: Slot, header: dict, held=None, state: dict | None = None,
                  layout: FlatLayout | None = None) -> None:
         buf = self._bufs[slot.index]
+        self._copies.ready()
         if held is not None:
             try:
                 held.ready()
@@ -261,6 +261,7 @@ class RamSnapshots(BackgroundWriter):
             self.group = None
 
     def _release(self) -> None:
+        self._copies.ready()
         if self.pin and any(b is not None for b in self._bufs):
             torch.cuda.synchronize(self.env.device)
         for b in self._bufs:

@@ -249,6 +249,9 @@ class OffloadEngine(CpuWorker):
     def held_paths(self) -> frozenset:
         return held_paths(self)
 
+    def update_after(self, event) -> bool:
+        return False  # the device weights are written by uploads during the next step, ahead of finish()
+
     def close(self) -> None:
         """Lets the worker finish what it can and stops it (also at interpreter exit); safe to call twice."""
         if not self._thread.is_alive():
