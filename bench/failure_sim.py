@@ -50,18 +50,22 @@ MTBF_HOURS = (1000.0, 6335.0, 20000.0)
 RAM_LOST_SHARES = (0.8, 0.5)
 BYTES_PER_PARAM = 12  # a checkpoint's fp32 weights and two AdamW moments (train/checkpointer.py: save_blocking_s)
 
-# Measured on one H200 with the 1.4b (bench/RESULTS.md, 2026-12-01).
+# Measured on one H200 with the 1.4b (bench/RESULTS.md, 2026-12-01 and 2026-12-04: copies behind the step).
 MEASURED_STATE_GB = 16.4
-MEASURED_DISK_BLOCK_S = 0.315  # 0.309 and 0.321 s for the saves at steps 100 and 200
-MEASURED_SNAPSHOT_BLOCK_S = 0.33  # 0.32-0.34 s
+MEASURED_DISK_BLOCK_S = 0.067  # 0.069 and 0.065 s for the saves at steps 100 and 200
+# A snapshot's whole cost: at memory_every=50 the run made 0.994 of the tokens/s without (0.45 s more over steps
+# 21-300 for 5 snapshots), of which 0.059-0.078 s a snapshot blocked; the rest is the copy's tail, waited for by
+# the next update.
+MEASURED_SNAPSHOT_BLOCK_S = 0.09
 MEASURED_SNAPSHOT_LOAD_S = 4.7  # 3.5-4.7 s: the worst
 MEASURED_WARM_RESTART_S = 26.0  # kill -9 to the first new step, snapshot load included: 18.9-26.0 s, the worst
 MEASURED_COLD_RESTART_S = 45.0  # a fresh node, estimated: the cold first run's 38 s of start-up and the load
-# 16,384 tokens a step at 58,987 tokens/s (the 300-step run without checkpoints).
-MEASURED_STEP_S = 16384 / 58987
-# Over steps 21-300 a save every 100 steps ran at 0.981 of the run without: 1.5 s more over 78 s, of which 0.63 s
-# was the two blocking copies; the rest, 0.9 s over the 22.6 s the two writes were in flight, is about 4%.
-DERIVED_DISK_WRITE_SLOWDOWN = 0.04
+# 16,384 tokens a step at 61,159 tokens/s (the 300-step run without checkpoints, 2026-12-04).
+MEASURED_STEP_S = 16384 / 61159
+# Over steps 21-300 a save every 100 steps ran at 0.987 of the run without: 0.98 s more over 75 s, of which 0.13 s
+# was the two saves' blocking; the rest, 0.85 s over the 29.3 s the two writes were in flight (and the copies'
+# tails), is about 3%.
+DERIVED_DISK_WRITE_SLOWDOWN = 0.03
 
 
 @dataclass(frozen=True)
