@@ -3,7 +3,7 @@ ranks sit idle, as holotrain.parallel.pp_timeline records it, against the simula
 same run's measured per-action times, and against the textbook (p-1)/(m+p-1) for 1f1b.
 
 Four gloo ranks, one thread each, each pinned to its own physical core where there are enough (two hyperthreads of
-one core would make two stages slower than the others), pp=4, a small Llama (8 blocks of dim 256, the head over a
+one core would make two stages slower than the others), pp=4 (or 2), a small Llama (8 blocks of dim 256, the head over a
 256-token vocabulary a small part of a block, so the blocks carry the cost and the stages are near equal),
 micro-batches of one row of 256 tokens: a block's forward and backward take some 10-30 ms on one core. Each case
 trains --warmup steps (discarded) then --steps steps (gradients cleared in between, no optimizer: the weights do not
@@ -25,7 +25,8 @@ change the time). Per case:
              at m=4 by default) mean gap: calibrated there, predicting the others
   textbook   the closed form with equal stages and F = B = W: (p-1)/(m+p-1) for 1f1b
 
-Run on a machine with at least 4 idle cores (fewer make the ranks contend and distort the bubble):
+Run on a machine with at least 4 idle cores (fewer make the ranks contend and distort the bubble), or at pp=2 with
+--nproc_per_node 2 on 2:
 
   OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/pp_bubble.py --out pp_bubble.json
 
@@ -59,7 +60,7 @@ from holotrain.parallel.pp_timeline import StageTimeline, bubble_figures, write 
 from holotrain.parallel.teardown import destroy_process_groups  # noqa: E402
 from holotrain.plan.pipeline import schedule_order, simulate  # noqa: E402
 
-PP = 4
+PP = int(os.environ.get("WORLD_SIZE", "4"))  # the pipeline's ranks: the launch's (4; 2 fit a 2-core machine)
 T = 256  # tokens per row; one row per micro-batch
 ARGS = LlamaArgs(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=256, max_seq_len=T)
 DEFAULT_CASES = "1f1b:4,1f1b:16,interleaved:16,zb1p:16,zbv:16"
@@ -223,8 +224,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != PP:
-        raise SystemExit(f"launch with torchrun --nproc_per_node {PP} (got {world} ranks)")
+    if world not in (2, 4):
+        raise SystemExit(f"launch with torchrun --nproc_per_node 4 (or 2) (got {world} ranks)")
     core = None if opts.no_pin else pin_to_core(rank, world)
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), local_world_size=world)
     mesh = device_mesh(env, pp=PP)
@@ -257,7 +258,7 @@ def main() -> None:
             "ranks": world, "threads_per_rank": torch.get_num_threads(), "model": dataclasses.asdict(ARGS),
             "seq_len": T,
             "steps": opts.steps, "warmup": opts.warmup, "pinned": core is not None, "p2p_s": p2p_s,
-            "command": "torchrun --standalone --nproc_per_node 4 bench/pp_bubble.py " + " ".join(sys.argv[1:]),
+            "command": f"torchrun --standalone --nproc_per_node {PP} bench/pp_bubble.py " + " ".join(sys.argv[1:]),
             "results": results}, indent=1) + "\n")
     destroy_process_groups()
 
