@@ -212,6 +212,7 @@ def print_table(results: list[dict]) -> None:
 
 
 def main() -> None:
+    global ARGS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="measured steps per case")
     parser.add_argument("--warmup", type=int, default=3, help="steps discarded before them")
@@ -219,7 +220,10 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON results")
     parser.add_argument("--timeline-dir", help="also write each case's last step there")
     parser.add_argument("--no-pin", action="store_true", help="leave the ranks to the OS scheduler")
+    parser.add_argument("--dim", type=int, default=ARGS.dim,
+                        help="the model's width (ffn 3x): wider blocks make the host time per action a smaller share")
     opts = parser.parse_args()
+    ARGS = dataclasses.replace(ARGS, dim=opts.dim, ffn_dim=3 * opts.dim)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
