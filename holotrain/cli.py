@@ -8,7 +8,7 @@ import sys
 import threading
 
 from holotrain.config import ConfigError, load_config
-from holotrain.errors import TrainingStopped
+from holotrain.errors import Interrupted, SaveFailed, TrainingStopped
 
 USAGE = """usage:
   holotrain train [--config FILE.toml | NAME] [--plan auto | PLAN.toml] [--section.key=value ...]
@@ -19,13 +19,51 @@ USAGE = """usage:
 """
 
 
+TRAIN_USAGE = """holotrain train [-h [SECTION]] [--config FILE.toml | NAME] [--plan auto | PLAN.toml]
+                       [--section.key=value ...]"""
+PLAN_USAGE = """holotrain plan [-h [SECTION]] [--config FILE.toml | NAME] [--out DIR]
+                      [--nproc N | --cluster FILE | NAME] [--section.key=value ...]"""
+
+
+def _parser(prog: str, **kwargs) -> argparse.ArgumentParser:
+    """A command's parser whose --help goes on to list every config key (holotrain/config_help.py)."""
+    parser = argparse.ArgumentParser(prog=prog, add_help=False, **kwargs)
+    parser.add_argument("-h", "--help", nargs="?", const="", metavar="SECTION", help="show this help and every "
+                        "config key with its default and meaning; with SECTION (data, training, ...) that section's keys")
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]] | None:
+    """The command's options and the rest, the --section.key=value overrides; None once --help is printed. A
+    misspelt option (--confg) is one error naming the closest one."""
+    from holotrain.config_values import closest
+
+    known, rest = parser.parse_known_args(argv)
+    if known.help is not None:
+        from holotrain.config_help import config_reference
+
+        print(config_reference(known.help) if known.help else f"{parser.format_help()}\n{config_reference()}", end="")
+        return None
+    options = [name for action in parser._actions for name in action.option_strings]
+    for arg in rest:
+        name = arg.partition("=")[0]
+        # A strict cutoff: --steps is not --help misspelt (load_config suggests --training.steps for it).
+        near = closest(name, options, cutoff=0.75) if name.startswith("-") and "." not in name else None
+        if near:
+            raise ConfigError(f"unrecognized argument {name!r} (did you mean {near}?)")
+    return known, rest
+
+
 def _train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="holotrain train", add_help=True)
+    parser = _parser("holotrain train", usage=TRAIN_USAGE)
     parser.add_argument("--config", help="TOML config file, or a shipped config's name: tiny, 125m, 1.4b, "
                         "1.4b-tp2, offload (default: the embedded tiny model)")
     parser.add_argument("--plan", help="auto: plan the job (holotrain plan) and train with the plan; or a "
                         "plan.toml that holotrain plan wrote for this job on this machine")
-    known, overrides = parser.parse_known_args(argv)
+    parsed = _parse(parser, argv)
+    if parsed is None:
+        return 0
+    known, overrides = parsed
     if known.plan:
         overrides = _planned(known.config, overrides, known.plan)
     cfg = load_config(known.config, overrides)
@@ -72,9 +110,9 @@ def _planned(config: str | None, overrides: list[str], plan: str) -> list[str]:
 
 
 def _plan(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="holotrain plan", epilog="--section.key=value overrides the job's config; "
-                                     "a setting the plan chooses (micro-batch, checkpointing, offload and its ratio, "
-                                     "loss chunking, compile, fp8, tp) given this way is kept, and the rest chosen")
+    parser = _parser("holotrain plan", usage=PLAN_USAGE, epilog="--section.key=value overrides the job's config; a "
+                     "setting the plan chooses (micro-batch, checkpointing, offload and its ratio, loss chunking, "
+                     "compile, fp8, tp) given this way is kept, and the rest chosen")
     parser.add_argument("--config", help="TOML config file, or a shipped config's name (default: the embedded tiny "
                         "model)")
     parser.add_argument("--out", help="where plan.toml and plan.json go (default: the job's run directory)")
@@ -83,7 +121,10 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--cluster", help="plan the job, on paper, for a cluster it is not running on: a cluster "
                         "file (TOML: nodes, GPUs per node, links, MTBF) or the name of a shipped one, such as "
                         "h200-64")
-    known, overrides = parser.parse_known_args(argv)
+    parsed = _parse(parser, argv)
+    if parsed is None:
+        return 0
+    known, overrides = parsed
     if known.nproc is not None and known.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {known.nproc}")
     if known.nproc is not None and known.cluster:
@@ -157,6 +198,31 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as e:
         print(f"holotrain: stopped: {e}", file=sys.stderr)
         return 3
+    except Interrupted as e:
+        print(_interrupted_line(e, argv), file=sys.stderr)
+        return 128 + e.signum
+    except SaveFailed as e:
+        print(f"holotrain: error: {e}", file=sys.stderr)
+        return 4
+    except KeyboardInterrupt:  # Ctrl-C before training installed its own handling (during imports, say)
+        print("holotrain: SIGINT: stopped before training started; nothing to save", file=sys.stderr)
+        return 130
+
+
+def _interrupted_line(e: Interrupted, argv: list[str]) -> str:
+    """One line: where the run stopped, what it saved, and the command that resumes it (this one, which resumes by
+    default; under torchrun, the same torchrun command)."""
+    import shlex
+    import signal
+
+    name = signal.Signals(e.signum).name
+    if e.checkpoint is None:
+        return (f"holotrain: {name}: stopped after step {e.step}; its checkpoint could not be written in time "
+                "(checkpoint.interrupt_grace_s), the newest earlier one resumes")
+    args = [a for a in argv if a.split("=", 1)[0] != "--checkpoint.resume"]
+    command = ("the same torchrun command" if int(os.environ.get("WORLD_SIZE", "1")) > 1
+               else "holotrain " + shlex.join(args))
+    return f"holotrain: {name}: stopped after step {e.step}, saved {e.checkpoint}; resume with: {command}"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ resumed run reads back.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from holotrain.config_values import coerce
+from holotrain.config_checks import PP_SCHEDULES, validate  # noqa: F401 - validate is part of this module's interface
+from holotrain.config_values import closest, coerce
 from holotrain.data.sources import SourceConfig
 from holotrain.errors import ConfigError
 from holotrain.model.llama import PRESETS
@@ -39,8 +41,11 @@ class _Section:
 
 @dataclass
 class JobConfig(_Section):
-    name: str = "default"
-    run_dir: str = ""  # empty: runs/<name>
+    # Names the run directory, runs/<name>, unless job.run_dir says otherwise. Empty: the config file's name (sft for
+    # sft.toml), else the directory's name of model.init_from, else "default" (the embedded default job).
+    name: str = ""
+    # Empty: runs/<name>. An output folder: a relative path is relative to the current directory, in a TOML file too.
+    run_dir: str = ""
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     # Mean time between failures of the job's machines, in hours: the plan's checkpoint interval (Young/Daly) comes
@@ -67,7 +72,8 @@ class ModelConfig(_Section):
     out_bias: bool = False
     mlp_bias: bool = False
     # A Hugging Face model directory or a holotrain run / checkpoint: the dimensions, weights and tokenizer come
-    # from it (model/pretrained.py); a new run starts from its weights with a fresh optimizer.
+    # from it (model/pretrained.py); a new run starts from its weights with a fresh optimizer. A relative path in a
+    # TOML file is relative to the file's folder (as every input path there), on the command line to the current one.
     init_from: str = ""
 
 
@@ -76,13 +82,15 @@ class DataConfig(_Section):
     # [[data.sources]] tables (name, path, weight, weight_schedule, text_field, format = "text" | "chat",
     # messages_field, prompt_field, response_field, document = "record" | "directory", path_field; see
     # holotrain/data/sources.py); none: the embedded corpus, two sources built from this Python's
-    # standard library (code, and docstrings as prose).
+    # standard library (code, and docstrings as prose). A relative path (or glob) is relative to the TOML file's folder;
+    # a leading ~ is the home directory.
     sources: list = field(default_factory=list)
     seq_len: int = 256
-    tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE on the sources
+    # Path to a tokenizer.json (relative: to the TOML file's folder); empty = train a byte-level BPE on the sources.
+    tokenizer: str = ""
     vocab_size: int = 4096  # size of the BPE trained when data.tokenizer is empty
     tokenizer_sample_mb: float = 8.0  # text the BPE is trained on
-    cache_dir: str = ""  # empty: $HOLOTRAIN_CACHE or ~/.cache/holotrain
+    cache_dir: str = ""  # empty: $HOLOTRAIN_CACHE or ~/.cache/holotrain; relative: to the current directory
     workers: int = 4  # most loader processes per node, over all sources (they scale with demand)
     chunk_mb: float = 1.0  # unit of work of a loader
     prefetch_steps: int = 4  # steps the plane builds ahead of training
@@ -97,7 +105,12 @@ class DataConfig(_Section):
     log_samples: bool = False  # write RUN_DIR/samples.jsonl: the documents of every sample (rank 0's)
     backend: str = "local"  # loader processes: "local", or "ray" actors (pip install holotrain[ray])
     ray_address: str = ""  # Ray cluster to join; empty: start one on this node
-    chat_template: str = ""  # for chat sources: "" the tokenizer's own, "chatml", "llama3" or a .jinja file's path
+    # A source whose loaders skip more than this share of its records (malformed lines, a missing text field, a chat
+    # record the template refuses) stops the run with one line naming its first bad file:line.
+    max_skip_fraction: float = 0.01
+    # For chat sources: "" the tokenizer's own, "chatml", "llama3" or a .jinja file's path (relative: to the TOML
+    # file's folder).
+    chat_template: str = ""
 
 
 @dataclass
@@ -145,9 +158,11 @@ class CheckpointConfig(_Section):
     memory_every: int = 0
     memory_gb: float = 64.0
     save_final: bool = True
+    # The first SIGINT or SIGTERM finishes the step under way and saves a checkpoint; the wait for its write is
+    # bounded by this many seconds (a scheduler's grace period), after which the process exits without it.
+    interrupt_grace_s: float = 120.0
 
 
-PP_SCHEDULES = ("auto", "1f1b", "interleaved", "zb1p", "zbv")
 
 
 @dataclass
@@ -301,21 +316,76 @@ class Config(_Section):
 # Loading
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
-    sections = {f.name for f in dataclasses.fields(Config)}
-    if section not in sections:
-        raise ConfigError(f"unknown config section {section!r} (known: {', '.join(sorted(sections))})")
+def _known_keys() -> dict[str, list[str]]:
+    """Every section's keys, in the order they are declared."""
+    sections = typing.get_type_hints(Config)
+    return {f.name: [k.name for k in dataclasses.fields(sections[f.name])] for f in dataclasses.fields(Config)}
+
+
+def _unknown_key(section: str, key: str) -> ConfigError:
+    """The error for a section.key the config does not have, naming the closest known key."""
+    known = _known_keys()
+    if section not in known:
+        near = closest(section, known)
+        if near is None:
+            return ConfigError(f"unknown config section {section} in {section}.{key} (sections: {', '.join(known)})")
+        near_key = key if key in known[near] else closest(key, known[near])
+        suggestion = f"{near}.{near_key}" if near_key else near
+        return ConfigError(f"unknown config section {section} in {section}.{key} (did you mean {suggestion}?)")
+    elsewhere = [s for s, keys in known.items() if key in keys]  # the right key in the wrong section
+    near_key = closest(key, known[section])
+    if elsewhere:
+        hint = f"did you mean {elsewhere[0]}.{key}?"
+    elif near_key:
+        hint = f"did you mean {section}.{near_key}?"
+    else:
+        hint = f"holotrain train --help {section} lists its keys"
+    return ConfigError(f"unknown config key {section}.{key} ({hint})")
+
+
+# Keys that name input files. A relative path is relative to the TOML file that gives it (its folder), or to the
+# current directory when given on the command line; load_config stores it absolute.
+INPUT_PATHS = (("data", "tokenizer"), ("data", "chat_template"), ("model", "init_from"))
+
+
+def _input_path(value: str, base: Path) -> str:
+    """An input path made absolute: a leading ~ is the user's home, a relative path is relative to `base`. Empty (not
+    set) stays empty. Globs pass through untouched."""
+    if not value:
+        return value
+    return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+
+
+def _place(section: str, key: str, value: Any, base: Path) -> Any:
+    """A path-valued key's value as the loaded config stores it, so that the saved config.toml means the same
+    wherever it is read from."""
+    if (section, key) == ("data", "chat_template") and not value.endswith(".jinja"):
+        return value  # "", "chatml", "llama3": names, not paths
+    if (section, key) in INPUT_PATHS:
+        return _input_path(value, base)
+    # Output folders are relative to the current directory wherever they are given, as users expect of output.
+    # The cache becomes absolute now: the embedded corpus's source paths are built inside it and saved with the run.
+    if (section, key) == ("data", "cache_dir"):
+        return os.path.abspath(os.path.expanduser(value)) if value else value
+    if (section, key) == ("job", "run_dir"):
+        return os.path.expanduser(value)
+    return value
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, base: Path) -> None:
+    """Sets section.key; `base` is the folder relative input paths are relative to."""
+    known = _known_keys()
+    if section not in known or key not in known[section]:
+        raise _unknown_key(section, key)
     sec_obj = getattr(cfg, section)
     hints = typing.get_type_hints(type(sec_obj))
-    if key not in hints:
-        raise ConfigError(f"unknown config key {section}.{key}")
     if (section, key) == ("data", "sources"):
-        sec_obj.sources = _sources(value)
+        sec_obj.sources = _sources(value, base)
         return
-    setattr(sec_obj, key, coerce(f"{section}.{key}", value, hints[key]))
+    setattr(sec_obj, key, _place(section, key, coerce(f"{section}.{key}", value, hints[key]), base))
 
 
-def _sources(value: Any) -> list[SourceConfig]:
+def _sources(value: Any, base: Path) -> list[SourceConfig]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise ConfigError("data.sources: declare sources as [[data.sources]] tables in a TOML file")
     hints = typing.get_type_hints(SourceConfig)
@@ -324,8 +394,11 @@ def _sources(value: Any) -> list[SourceConfig]:
         src = SourceConfig()
         for k, v in table.items():
             if k not in hints:
-                raise ConfigError(f"unknown config key data.sources[{i}].{k}")
+                near = closest(k, hints)
+                hint = f" (did you mean data.sources[{i}].{near}?)" if near else f" (keys: {', '.join(hints)})"
+                raise ConfigError(f"unknown config key data.sources[{i}].{k}{hint}")
             setattr(src, k, v if k == "weight_schedule" else coerce(f"data.sources[{i}].{k}", v, hints[k]))
+        src.path = _input_path(src.path, base)
         out.append(src)
     return out
 
@@ -333,15 +406,24 @@ def _sources(value: Any) -> list[SourceConfig]:
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     """`--training.steps=20` -> ("training", "steps", "20"); a bare `--checkpoint.resume` means true."""
     out = []
-    for arg in args:
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"unrecognized argument {arg!r}: overrides look like --section.key=value")
-        name, _, value = arg[2:].partition("=")
-        section, _, key = name.partition(".")
-        if not key or "." in key:
-            raise ConfigError(f"unrecognized argument {arg!r}: overrides look like --section.key=value")
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        section, _, key = name.removeprefix("--").partition(".")
+        if not name.startswith("--") or not key or "." in key:
+            raise ConfigError(f"unrecognized argument {arg!r}{_override_hint(name, args[i - 1] if i else '')}")
         out.append((section, key, value if "=" in arg else "true"))
     return out
+
+
+def _override_hint(name: str, previous: str) -> str:
+    """For an argument that is not --section.key=value: the override it may have meant."""
+    if previous.startswith("--") and "=" not in previous and not name.startswith("-"):
+        return f" (a value goes after '=': {previous}={name})"  # --training.steps 5
+    bare = name.lstrip("-")
+    sections = [s for s, keys in _known_keys().items() if bare in keys]
+    if sections:
+        return f" (did you mean --{sections[0]}.{bare}?)"  # --steps=5
+    return ": overrides look like --section.key=value"
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -364,7 +446,8 @@ def find_config(name_or_path: str | Path) -> Path:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the file (a path or a shipped config's name), then the overrides."""
+    """Defaults, then the file (a path or a shipped config's name), then the overrides. Relative input paths are
+    relative to the file's folder in the file, and to the current directory on the command line."""
     cfg = Config()
     if path is not None:
         path = find_config(path)
@@ -372,14 +455,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
-            for key, value in values.items():
-                _apply(cfg, section, key, value)
+        folder = path.parent.resolve()
+        try:
+            for section, values in data.items():
+                if not isinstance(values, dict):
+                    owners = [s for s, keys in _known_keys().items() if section in keys]
+                    hint = f" (did you mean {section} in [{owners[0]}]?)" if owners else ""
+                    raise ConfigError(f"top-level key {section!r} must be a [section]{hint}")
+                for key, value in values.items():
+                    _apply(cfg, section, key, value, folder)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None  # the file the mistake is in
     for section, key, value in parse_overrides(overrides or []):
-        _apply(cfg, section, key, value)
+        _apply(cfg, section, key, value, Path.cwd())
+    if not cfg.job.name:
+        cfg.job.name = default_job_name(path, cfg.model.init_from)
     return cfg
+
+
+def default_job_name(config_path: Path | None, init_from: str) -> str:
+    """A job without job.name is named after its config file (sft.toml: "sft"), else after the model it starts
+    from (model.init_from = "/models/Qwen3-0.6B": "Qwen3-0.6B"; a holotrain run's checkpoint: "from-<run>"), else
+    "default": so that two different jobs started in one folder do not share runs/<name>."""
+    if config_path is not None:
+        return Path(config_path).stem
+    if init_from:
+        source = Path(init_from).expanduser().resolve()
+        if source.name.startswith("step-") and source.parent.name == "checkpoints":
+            return f"from-{source.parent.parent.name}-{source.name}"
+        if (source / "config.toml").is_file():  # a holotrain run: its own runs/<name> is not this job's
+            return f"from-{source.name}"
+        return source.name or "default"
+    return "default"
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,183 +515,6 @@ def resolve(cfg: Config, tokenizer_vocab: int | None = None) -> Config:
         m.vocab_size = -(-tokenizer_vocab // 64) * 64
     validate(cfg, tokenizer_vocab)
     return cfg
-
-
-def validate(cfg: Config, tokenizer_vocab: int | None = None) -> None:
-    m, t, d = cfg.model, cfg.training, cfg.data
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ConfigError(msg)
-
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
-        need(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
-    need(m.vocab_size >= 0, f"model.vocab_size must be positive, got {m.vocab_size}")
-    if tokenizer_vocab is not None:
-        need(m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
-    need(m.dim % m.n_heads == 0, f"model.n_heads={m.n_heads} does not divide model.dim={m.dim}")
-    need((m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
-    need(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
-    need(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
-    if m.rope_scaling:
-        from holotrain.model.hf import rope_settings
-
-        rope_settings({"rope_scaling": m.rope_scaling}, "model.rope_scaling")  # raises ConfigError naming the key
-    need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
-    need(d.seq_len > 0, f"data.seq_len must be positive, got {d.seq_len}")
-    need(d.seq_len <= m.max_seq_len, f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    from holotrain.data.chat import check_template_choice
-    from holotrain.data.sources import validate_sources
-
-    validate_sources(d.sources)
-    check_template_choice(d.chat_template)
-    need(d.backend in ("local", "ray"), f"data.backend must be 'local' or 'ray', got {d.backend!r}")
-    if d.backend == "ray":
-        import importlib.util
-
-        need(importlib.util.find_spec("ray") is not None, "data.backend = 'ray' needs Ray: pip install 'holotrain[ray]'")
-    need(d.workers >= 1, f"data.workers must be >= 1, got {d.workers}")
-    need(d.chunk_mb > 0, f"data.chunk_mb must be positive, got {d.chunk_mb}")
-    need(d.balance_window >= 1, f"data.balance_window must be >= 1, got {d.balance_window}")
-    need(d.prefetch_steps >= 1, f"data.prefetch_steps must be >= 1, got {d.prefetch_steps}")
-    need(d.vocab_size >= 259, f"data.vocab_size must be at least 259 (256 bytes + special tokens), got {d.vocab_size}")
-    if tokenizer_vocab is not None:
-        need(tokenizer_vocab <= m.vocab_size,
-             f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab})")
-    need(t.steps > 0, f"training.steps must be positive, got {t.steps}")
-    need(t.batch_size > 0, f"training.batch_size must be positive, got {t.batch_size}")
-    need(t.micro_batch_size >= 0, f"training.micro_batch_size must be >= 0, got {t.micro_batch_size}")
-    need(t.lr > 0, f"training.lr must be positive, got {t.lr}")
-    need(0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    need(t.warmup_steps >= 0, f"training.warmup_steps must be >= 0, got {t.warmup_steps}")
-    need(t.weight_decay >= 0, f"training.weight_decay must be >= 0, got {t.weight_decay}")
-    need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
-    need(t.grad_clip >= 0, f"training.grad_clip must be >= 0, got {t.grad_clip}")
-    need(t.dtype in ("auto", "bf16", "fp32"), f"training.dtype must be auto, bf16 or fp32, got {t.dtype!r}")
-    need(t.attention in ("auto", "cudnn", "flash"), f"training.attention must be auto, cudnn or flash, got {t.attention!r}")
-    need(t.log_every > 0, f"training.log_every must be positive, got {t.log_every}")
-    need(t.fp8 in ("none", "tensorwise", "rowwise", "delayed", "auto"),
-         f"training.fp8 must be none, tensorwise, rowwise, delayed or auto, got {t.fp8!r}")
-    need(not (t.fp8 in ("tensorwise", "rowwise", "delayed") and cfg.job.device == "cpu" and not t.fp8_emulate),
-         f"training.fp8 = {t.fp8!r} needs a GPU with FP8 (compute capability 8.9 or later); job.device is cpu")
-    need(not (t.fp8 == "delayed" and cfg.parallel.tp > 1),
-         "training.fp8 = 'delayed' does not run under parallel.tp > 1 yet; use 'tensorwise' there")
-    need(not (t.fp8 in ("tensorwise", "rowwise") and cfg.parallel.tp > 1 and cfg.parallel.tp_overlap != "none"),
-         f"training.fp8 = {t.fp8!r} with parallel.tp > 1 needs parallel.tp_overlap = 'none' (the overlapped "
-         f"GEMMs, {cfg.parallel.tp_overlap!r}, have no FP8 path)")
-    need(t.max_nonfinite_steps > 0, f"training.max_nonfinite_steps must be positive, got {t.max_nonfinite_steps}")
-    need(cfg.job.device in ("auto", "cpu", "cuda"), f"job.device must be auto, cpu or cuda, got {cfg.job.device!r}")
-    c = cfg.checkpoint
-    need(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
-    need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
-    need(c.memory_every >= 0, f"checkpoint.memory_every must be >= 0 (0 = off), got {c.memory_every}")
-    need(c.memory_gb > 0, f"checkpoint.memory_gb must be positive, got {c.memory_gb}")
-    need(cfg.parallel.dp == "fsdp", f"parallel.dp must be 'fsdp', got {cfg.parallel.dp!r}")
-    par = cfg.parallel
-    need(par.tp >= 1, f"parallel.tp must be >= 1, got {par.tp}")
-    need(par.tp_overlap in ("none", "async_tp", "fused"),
-         f"parallel.tp_overlap must be none, async_tp or fused, got {par.tp_overlap!r}")
-    if par.tp > 1:
-        for key in ("n_heads", "n_kv_heads", "ffn_dim"):
-            need(getattr(m, key) % par.tp == 0,
-                 f"parallel.tp={par.tp} must divide model.{key}={getattr(m, key)} (each rank takes 1/tp of them)")
-        need(m.vocab_size % par.tp == 0,
-             f"parallel.tp={par.tp} must divide model.vocab_size={m.vocab_size} (vocabulary-parallel embedding and head)")
-        need(d.seq_len % par.tp == 0,
-             f"parallel.tp={par.tp} must divide data.seq_len={d.seq_len} (sequence-parallel activations)")
-        need(not (par.tp_overlap != "none" and cfg.job.device == "cpu"),
-             f"parallel.tp_overlap={par.tp_overlap!r} runs on CUDA GPUs only; use 'none' on the CPU")
-        need(not (par.tp_overlap == "fused" and t.dtype == "fp32"),
-             "parallel.tp_overlap='fused' computes in bf16: set training.dtype to auto or bf16")
-        need(not getattr(cfg.memory, "offload", False),
-             "parallel.tp > 1 does not combine with memory.offload yet: use one of them")
-    need(par.cp >= 1, f"parallel.cp must be >= 1, got {par.cp}")
-    need(par.pp >= 1, f"parallel.pp must be >= 1, got {par.pp}")
-    need(par.pp_schedule in PP_SCHEDULES, f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got "
-         f"{par.pp_schedule!r}")
-    need(par.pp_microbatches >= 0, f"parallel.pp_microbatches must be >= 0, got {par.pp_microbatches}")
-    if par.pp > 1:
-        # What pipeline stages do not run with yet, each in one line.
-        need(not cfg.memory.offload, "parallel.pp > 1 does not combine with memory.offload: use one of them")
-        need(cfg.memory.activation_offload_blocks == 0,
-             "parallel.pp > 1 does not combine with memory.activation_offload_blocks > 0 yet")
-        need(not m.tie_embeddings, "model.tie_embeddings shares the embedding with the head, which pipeline stages "
-             "put on different ranks: set model.tie_embeddings = false or parallel.pp = 1")
-        need(m.n_layers + 2 >= par.pp, f"parallel.pp={par.pp} needs at least as many units as stages (embedding, "
-             f"{m.n_layers} blocks, head)")
-        need(not (t.compile and par.pp_schedule in ("zb1p", "zbv")),
-             f"parallel.pp_schedule = {par.pp_schedule!r} splits backward in a way torch.compile does not trace: "
-             "set training.compile = false, or choose 1f1b or interleaved")
-        need(t.fp8 != "delayed", "training.fp8 = 'delayed' does not run under parallel.pp > 1 yet: use 'tensorwise'")
-    need(par.cp_mode in ("auto", "ring", "alltoall"), f"parallel.cp_mode must be auto, ring or alltoall, got {par.cp_mode!r}")
-    if par.cp > 1:
-        need(d.seq_len % (2 * par.cp * par.tp) == 0, f"data.seq_len={d.seq_len} must divide by 2 x parallel.cp x "
-             f"parallel.tp = {2 * par.cp * par.tp} (each rank holds two equal chunks of every sequence)")
-        need(not cfg.memory.offload, "parallel.cp > 1 does not combine with memory.offload yet: use one of them")
-    need(par.tp_spin_limit > 0, f"parallel.tp_spin_limit must be positive, got {par.tp_spin_limit}")
-    need(par.tp_barrier_ms > 0, f"parallel.tp_barrier_ms must be positive, got {par.tp_barrier_ms}")
-    need(par.tp_piece_mb > 0, f"parallel.tp_piece_mb must be positive, got {par.tp_piece_mb}")
-    if par.tp_tiles:
-        from holotrain.parallel.tiles import parse_tiles
-
-        parse_tiles(par.tp_tiles)  # raises ConfigError naming parallel.tp_tiles
-    p, hw = cfg.profile, cfg.hw
-    need(all(s > 0 for s in p.trace_steps), f"profile.trace_steps are 1-based step numbers, got {p.trace_steps}")
-    need(len(p.trace_steps) <= 16, f"profile.trace_steps: at most 16 steps are traced, got {len(p.trace_steps)}")
-    need(p.trace_max_mb > 0, f"profile.trace_max_mb must be positive, got {p.trace_max_mb}")
-    need(p.straggler_margin >= 0, f"profile.straggler_margin must be >= 0 (0 = off), got {p.straggler_margin}")
-    need(0 < hw.telemetry_hz <= 1000, f"hw.telemetry_hz must be in (0, 1000], got {hw.telemetry_hz}")
-    need(hw.lock_sm_clock_mhz >= 0, f"hw.lock_sm_clock_mhz must be >= 0, got {hw.lock_sm_clock_mhz}")
-    need(hw.power_limit_w >= 0, f"hw.power_limit_w must be >= 0, got {hw.power_limit_w}")
-    need(hw.gpu_memory_gb >= 0, f"hw.gpu_memory_gb must be >= 0 (0 = the whole GPU), got {hw.gpu_memory_gb}")
-    need(cfg.job.mtbf_hours > 0, f"job.mtbf_hours must be positive, got {cfg.job.mtbf_hours}")
-    pl = cfg.plan
-    need(pl.objective in ("tokens_per_s", "j_per_token"),
-         f"plan.objective must be tokens_per_s or j_per_token, got {pl.objective!r}")
-    need(pl.trials >= 0, f"plan.trials must be >= 0, got {pl.trials}")
-    need(pl.trial_steps >= 3, f"plan.trial_steps must be >= 3 (two are not timed), got {pl.trial_steps}")
-    need(pl.seconds > 0, f"plan.seconds must be positive, got {pl.seconds}")
-    wants_control = hw.lock_sm_clock_mhz > 0 or hw.power_limit_w > 0
-    need(not wants_control or hw.allow_clock_control, "hw.lock_sm_clock_mhz / hw.power_limit_w change the card's "
-         "settings for every user of it: set hw.allow_clock_control = true to allow that")
-    mem = cfg.memory
-    # activation_checkpointing = true / false is accepted; the resolved config stores the policy name.
-    ac = mem.activation_checkpointing
-    ac = {"true": "full", "false": "none"}.get(str(ac).lower(), ac) if isinstance(ac, (bool, str)) else ac
-    need(ac in ("none", "full", "selective", "pointwise", "auto"),
-         "memory.activation_checkpointing must be auto, none, full, selective or pointwise, got "
-         f"{mem.activation_checkpointing!r}")
-    mem.activation_checkpointing = ac
-    blocks = mem.activation_checkpointing_blocks
-    need(isinstance(blocks, int) and 0 <= blocks <= m.n_layers,
-         f"memory.activation_checkpointing_blocks must be between 0 and model.n_layers = {m.n_layers}, got {blocks!r}")
-    need(blocks == 0 or ac in ("full", "pointwise"),
-         f'memory.activation_checkpointing_blocks = {blocks} applies to "full" and "pointwise", not {ac!r} '
-         '("selective" is "full" on every other block)')
-    ratio = mem.offload_ratio
-    if isinstance(ratio, str) and ratio.strip().lower() == "auto":
-        mem.offload_ratio = "auto"  # chosen with the memory plan when the model is built (train.trainer.build_model)
-    else:
-        try:
-            mem.offload_ratio = float(ratio)
-        except ValueError:
-            raise ConfigError(f'memory.offload_ratio must be a number in [0, 1] or "auto", got {ratio!r}') from None
-        need(0.0 <= mem.offload_ratio <= 1.0, f"memory.offload_ratio must be in [0, 1], got {ratio}")
-    need(mem.offload_kernel in ("auto", "native", "torch"),
-         f"memory.offload_kernel must be auto, native or torch, got {mem.offload_kernel!r}")
-    need(mem.offload_threads >= 0, f"memory.offload_threads must be >= 0, got {mem.offload_threads}")
-    need(mem.offload_gil_switch_ms >= 0, f"memory.offload_gil_switch_ms must be >= 0 (0 = Python's own), got "
-         f"{mem.offload_gil_switch_ms}")
-    need(mem.offload or not mem.offload_delayed_update, "memory.offload_delayed_update needs memory.offload = true")
-    need(mem.adamw_moments in ("fp32", "bf16"), f"memory.adamw_moments must be fp32 or bf16, got {mem.adamw_moments!r}")
-    need(not (mem.offload and mem.adamw_moments == "bf16"), "memory.adamw_moments = bf16 is for AdamW on the device; "
-         "memory.offload keeps the moments in host memory in fp32")
-    need(mem.loss_chunk_tokens >= 0, f"memory.loss_chunk_tokens must be >= 0 (0 = auto), got {mem.loss_chunk_tokens}")
-    need(0 <= mem.activation_offload_blocks <= m.n_layers, "memory.activation_offload_blocks must be between 0 and "
-         f"model.n_layers = {m.n_layers}, got {mem.activation_offload_blocks}")
-    # The offload engine assumes FSDP2's sharding (disjoint shards, one gradient per step); tensor parallelism
-    # replicates some parameters across ranks, which its norm would count twice.
-    need(not (mem.offload and cfg.parallel.tp > 1), "memory.offload does not combine with parallel.tp > 1 yet")
 
 
 def batch_layout(cfg: Config, world_size: int) -> tuple[int, int]:

@@ -3,11 +3,19 @@ not convert is one ConfigError naming its key."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import typing
 from typing import Any
 
 from holotrain.errors import ConfigError
+
+
+def closest(name: str, known, cutoff: float = 0.6) -> str | None:
+    """The known name closest to a misspelt one (for "did you mean ...?"), or None when none is as close as `cutoff`
+    (difflib's similarity, 0 to 1)."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return close[0] if close else None
 
 
 def _int_list(key: str, value: Any) -> list[int]:

@@ -213,3 +213,107 @@ def test_gpu_memory_set_up(monkeypatch, capsys):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     trainer._set_up_gpu_memory(load_config(None, ["--memory.offload=true"]), env)
     assert fractions == [] and settings == [] and capsys.readouterr().out == ""
+
+
+def test_help_lists_every_key_with_its_default_and_comment():
+    import dataclasses
+    import typing
+
+    from holotrain.config_help import config_reference
+
+    proc = run_cli_here("train", "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # comments wrap over lines
+    assert "training.steps = 150" in text
+    assert 'training.batch_size = 16 global: sequences per optimizer step, over all ranks and micro-batches' in text
+    for section, cls in typing.get_type_hints(Config).items():
+        for f in dataclasses.fields(cls):
+            assert f"{section}.{f.name} = " in text
+    # The [[data.sources]] tables' keys, from SourceConfig, with their comments.
+    assert "[[data.sources]]" in text and 'path = ""' in text
+    assert "weight_schedule = [] Piecewise-linear weight over optimizer steps" in text
+    assert all(len(line) <= 100 for line in config_reference().splitlines())
+
+    one = run_cli_here("plan", "--help", "data")
+    assert one.returncode == 0 and "data.seq_len = 256" in one.stdout and "training.steps" not in one.stdout
+    wrong = run_cli_here("train", "--help", "trainig")
+    assert wrong.returncode == 2 and "did you mean training?" in wrong.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.stpes=5"], "unknown config key training.stpes (did you mean training.steps?)"),
+        (["--trainig.steps=5"], "unknown config section trainig in trainig.steps (did you mean training.steps?)"),
+        (["--training.seq_len=64"], "unknown config key training.seq_len (did you mean data.seq_len?)"),
+        (["--confg", "x.toml"], "unrecognized argument '--confg' (did you mean --config?)"),
+        (["--steps=5"], "unrecognized argument '--steps=5' (did you mean --training.steps?)"),
+        (["--training.steps", "5"], "(a value goes after '=': --training.steps=5)"),
+    ],
+    ids=["key", "section", "wrong-section", "option", "bare-key", "space-for-equals"],
+)
+def test_a_misspelt_name_gets_the_closest_known_one(args, message):
+    proc = run_cli_here("train", *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("[training]\nstpes = 5\n", "unknown config key training.stpes (did you mean training.steps?)"),
+        ("[trainig]\nsteps = 5\n", "(did you mean training.steps?)"),
+        ('[[data.sources]]\nname = "a"\npth = "a.jsonl"\n',
+         "unknown config key data.sources[0].pth (did you mean data.sources[0].path?)"),
+        ("steps = 5\n", "(did you mean steps in [training]?)"),
+        ('[training]\nsteps = "many"\n', "training.steps: expected int"),
+    ],
+    ids=["key", "section", "source-key", "key-outside-a-section", "value"],
+)
+def test_a_toml_mistake_names_the_file_and_the_closest_key(tmp_path, toml, message):
+    path = tmp_path / "job.toml"
+    path.write_text(toml)
+    proc = run_cli_here("train", "--config", path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"holotrain: error: {path}: ") and message in lines[0], proc.stderr
+
+
+def test_relative_paths_in_a_toml_are_relative_to_its_folder(tmp_path, monkeypatch):
+    jobs, here, home = tmp_path / "jobs", tmp_path / "here", tmp_path / "home"
+    for folder in (jobs, here, home):
+        folder.mkdir()
+    jobs, here, home = jobs.resolve(), here.resolve(), home.resolve()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    (jobs / "sft.toml").write_text(
+        '[job]\nrun_dir = "runs/sft"\n'
+        '[model]\ninit_from = "../models/base"\n'
+        '[data]\ntokenizer = "tok/tokenizer.json"\nchat_template = "chat.jinja"\ncache_dir = "cache"\n'
+        '[[data.sources]]\nname = "web"\npath = "data/*.jsonl"\n'
+        '[[data.sources]]\nname = "mine"\npath = "~/corpus/*.jsonl"\n'
+        f'[[data.sources]]\nname = "abs"\npath = "{tmp_path / "abs.jsonl"}"\n'
+    )
+    cfg = load_config("../jobs/sft.toml")
+    assert [s.path for s in cfg.data.sources] == [str(jobs / "data" / "*.jsonl"), str(home / "corpus" / "*.jsonl"),
+                                                 str(tmp_path / "abs.jsonl")]
+    assert cfg.data.tokenizer == str(jobs / "tok" / "tokenizer.json")
+    assert cfg.data.chat_template == str(jobs / "chat.jinja")
+    assert cfg.model.init_from == str(tmp_path.resolve() / "models" / "base")
+    # Output folders stay relative to the current directory.
+    assert cfg.job.run_dir == "runs/sft" and cfg.run_dir.resolve() == here / "runs" / "sft"
+    assert cfg.data.cache_dir == str(here / "cache")
+    assert cfg.job.name == "sft"
+
+    # On the command line, relative to the current directory; a template's name is not a path.
+    cli = load_config("../jobs/sft.toml", ["--data.tokenizer=t.json", "--model.init_from=base",
+                                           "--data.chat_template=chatml", "--job.run_dir=~/runs/x"])
+    assert (cli.data.tokenizer, cli.model.init_from) == (str(here / "t.json"), str(here / "base"))
+    assert cli.data.chat_template == "chatml" and cli.job.run_dir == str(home / "runs" / "x")
+
+    # The saved config means the same wherever it is read from.
+    saved = tmp_path / "elsewhere" / "config.toml"
+    saved.parent.mkdir()
+    saved.write_text(cfg.to_toml())
+    assert load_config(saved).to_dict() == cfg.to_dict()

@@ -1,7 +1,9 @@
 """The data plane: sources, bad input, mixture, packing, balancing, and (through the trainer) exact resume
-and loader failover."""
+and loader failover; the plane process on its own: shared-memory ownership, signals, failures, skipped records."""
 
+import dataclasses
 import json
+import os
 import random
 import signal
 import subprocess
@@ -435,3 +437,180 @@ def test_a_killed_trainer_leaves_no_shared_memory_blocks_behind(tmp_path):
     stale.write_bytes(b"x" * 64)
     run_cli(*args)
     assert not stale.exists() and not list(shm.glob(f"{prefix}*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The plane process on its own: shared-memory ownership, signals, failures, skipped records
+
+
+def test_a_sweep_removes_only_the_blocks_of_owners_that_are_gone(tmp_path):
+    """Blocks carry their plane's pid: a sweep (a plane starting or ending) leaves a live plane's blocks alone, even
+    one of another process on the same run directory, and removes those of a plane that is gone, and its own."""
+    from multiprocessing import resource_tracker
+
+    from holotrain.data.shm import new_block, owner_prefix, shm_prefix, sweep_blocks
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    prefix = shm_prefix(tmp_path)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is no one's now
+    names = {}
+    for who, pid in (("live", os.getppid()), ("gone", gone.pid), ("own", os.getpid())):
+        block = new_block(64, owner_prefix(prefix, pid))
+        block.close()
+        resource_tracker.unregister(block._name, "shared_memory")  # the sweep removes it, not this process's exit
+        names[who] = block.name
+    assert names["live"].startswith(f"{prefix}{os.getppid()}_") and len(names["live"]) < 31
+    try:
+        assert sweep_blocks(prefix) == 2
+        assert [p.name for p in shm.glob(f"{prefix}*")] == [names["live"]]
+    finally:
+        (shm / names["live"]).unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def small_source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small")
+    write_jsonl(d / "a.jsonl", 3000, "a")
+    src = SourceConfig(name="a", path=str(d / "a.jsonl"))
+    _, tokenizer_path = prepare_tokenizer([src], "", 300, 0.1, d / "cache")
+    return src, tokenizer_path
+
+
+def _plane_spec(src: SourceConfig, tokenizer_path, run_dir) -> PlaneSpec:
+    from holotrain.data.shm import shm_prefix
+
+    return PlaneSpec(sources=[src], tokenizer_path=str(tokenizer_path), eos_id=0, pad_id=1, seq_len=32, global_batch=4,
+                     world_size=1, local_ranks=[0], micro_batch=4, accum=1, seed=0, max_workers=1, chunk_bytes=4000,
+                     shm_prefix=shm_prefix(run_dir))
+
+
+def test_plane_and_loaders_ignore_sigint_and_sigterm(small_source, tmp_path, capfd):
+    """Ctrl-C signals the whole process group, and schedulers send SIGTERM to it: the plane and its loaders go on
+    serving (the trainer saves a checkpoint, asking the plane for its state), then end cleanly when closed: exit 0,
+    nothing on stderr, no block left."""
+    psutil = pytest.importorskip("psutil")
+    import torch
+
+    from holotrain.data.client import DataClient, plane_address, start_plane
+
+    spec = _plane_spec(*small_source, tmp_path)
+    address, key = plane_address(tmp_path)
+    plane = start_plane(spec, None, address, key)
+    os.kill(plane.pid, signal.SIGINT)  # during its start-up (imports): held back, then dropped
+    client = DataClient(address, key, 0, 0, torch.device("cpu"), plane=plane)
+    try:
+        client.next()
+        loaders = psutil.Process(plane.pid).children()
+        assert loaders
+        for proc in (psutil.Process(plane.pid), *loaders):
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
+        for _ in range(20):  # 20 steps take chunks the loaders read after the signals
+            client.next()
+        assert client.state(21)["step"] == 21
+        assert plane.is_alive() and all(p.is_running() for p in loaders)
+        assert client.stats["worker_restarts"] == 0
+    finally:
+        client.close(stop_plane=True)
+    assert plane.exitcode == 0
+    assert not list(Path("/dev/shm").glob(f"{spec.shm_prefix}*"))
+    assert capfd.readouterr().err == ""
+
+
+def test_a_plane_ignores_sigint_from_its_first_instant():
+    """A Ctrl-C while the plane process is still starting (importing, before its own code runs) waits, blocked, and is
+    dropped. In a fresh interpreter, where starting the plane also starts multiprocessing's resource tracker."""
+    script = (
+        "import multiprocessing as mp, os, signal\n"
+        "from holotrain.data.plane import plane_main\n"
+        "from holotrain.data.worker import start_light\n"
+        "ctx = mp.get_context('spawn')\n"
+        "link, plane_end = ctx.Pipe()\n"
+        "args = ('/nonexistent/plane.sock', b'k', None, None, os.getpid(), plane_end)\n"
+        "proc = ctx.Process(target=plane_main, args=args)\n"
+        "start_light(proc)\n"
+        "plane_end.close()\n"
+        "os.kill(proc.pid, signal.SIGINT)\n"
+        "proc.join()\n"
+        "print(proc.exitcode, link.recv()[1].splitlines()[-1] if link.poll() else 'no word')\n"
+    )  # the plane ran: it says it could not listen there
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.stderr == "" and out.stdout.startswith("0 FileNotFoundError"), out
+
+
+def test_a_plane_that_cannot_start_says_why_at_once(small_source, tmp_path):
+    """A source path that matches nothing, found by the plane (the trainer's input check would find it first): the
+    trainer's next batch raises the plane's own line as a ConfigError within seconds, not after the 300 s connect
+    timeout. A plane that cannot even listen: its owner raises the reason from the plane's process."""
+    import torch
+
+    from holotrain.data.client import DataClient, plane_address, start_plane
+
+    src, tokenizer_path = small_source
+    spec = _plane_spec(dataclasses.replace(src, path=str(tmp_path / "missing-*.jsonl")), tokenizer_path, tmp_path)
+    address, key = plane_address(tmp_path)
+    t0 = time.monotonic()
+    plane = start_plane(spec, None, address, key)
+    client = DataClient(address, key, 0, 0, torch.device("cpu"), plane=plane)
+    try:
+        with pytest.raises(ConfigError, match=r"^data\.sources\[a\]\.path: no \.jsonl.* files at .*missing-"):
+            client.next()
+    finally:
+        client.close(stop_plane=True)
+    assert time.monotonic() - t0 < 30 and plane.exitcode == 0
+    unreachable = str(tmp_path / "gone" / "plane.sock")
+    t0 = time.monotonic()
+    plane = start_plane(spec, None, unreachable, key)
+    with pytest.raises(RuntimeError, match=r"(?s)^data plane failed: Traceback.*FileNotFoundError"):
+        DataClient(unreachable, key, 0, 0, torch.device("cpu"), plane=plane)
+    assert time.monotonic() - t0 < 30
+
+
+def test_skipped_records_are_counted_per_source_and_stop_the_run(tmp_path, capsys):
+    """A source half of whose lines are broken, beside a clean one: every step's stats carry each source's records
+    read and skipped and its first bad file:line; Data.metrics, fed them, stops the run in one line naming the file
+    (on every rank; the main rank alone prints warnings)."""
+    from types import SimpleNamespace
+
+    from holotrain.data.lever import Data
+    from holotrain.data.monitor import SkipMonitor
+
+    write_jsonl(tmp_path / "good.jsonl", 3000, "good")
+    with open(tmp_path / "bad.jsonl", "w") as f:
+        for i in range(1500):
+            f.write(json.dumps({"text": f"bad {i} alpha"}) + "\n{broken\n")
+    srcs = [SourceConfig(name=n, path=str(tmp_path / f"{n}.jsonl")) for n in ("good", "bad")]
+    _, tokenizer_path = prepare_tokenizer(srcs[:1], "", 300, 0.1, tmp_path / "cache")
+    spec = PlaneSpec(sources=srcs, tokenizer_path=str(tokenizer_path), eos_id=0, pad_id=1, seq_len=32, global_batch=4,
+                     world_size=1, local_ranks=[0], micro_batch=4, accum=1, seed=0, max_workers=2,
+                     chunk_bytes=1 << 20)  # a chunk per file: each source's counts are its file's from the first step
+    files = [source_files(s) for s in srcs]
+    pool = LoaderPool(spec, files)
+    try:
+        streams = [SourceStream(i, plan_chunks(i, f, spec.chunk_bytes), pool, 0, True, s.name)
+                   for i, (s, f) in enumerate(zip(srcs, files))]
+        constructor = Constructor(spec, streams)
+        constructor.produce()
+        stats = constructor.stats()
+    finally:
+        pool.close()
+    assert stats["sources"] == {
+        "good": {"records": 3000, "skipped": 0, "passes": 0, "first": None},
+        "bad": {"records": 3000, "skipped": 1500, "passes": 0,
+                "first": f"{tmp_path / 'bad.jsonl'}:2: not a JSON object with a string field 'text'"},
+    }
+    data = object.__new__(Data)  # the lever's metrics() over these stats, without a plane
+    data.client = SimpleNamespace(stats=stats, restarts=0, micro_batches=1, masked_micro_batches=1)
+    data.skips = SkipMonitor(0.6, is_main=True)  # 50% is within 60%: a warning, and the row
+    row = data.metrics(1)
+    assert row["data.skipped_by_source"] == {"good": 0, "bad": 1500} and row["data.skipped"] == 1500
+    assert capsys.readouterr().out == (f"holotrain: warning: data source 'bad': 1500 of 3000 records skipped so far "
+                                       f"(first: {tmp_path / 'bad.jsonl'}:2: not a JSON object with a string field "
+                                       "'text')\n")
+    data.skips = SkipMonitor(0.01, is_main=False)
+    with pytest.raises(ConfigError, match=r"^data source 'bad': 1500 of 3000 .*bad\.jsonl:2: .*max_skip_fraction"):
+        data.metrics(1)
+    assert capsys.readouterr().out == ""

@@ -7,12 +7,16 @@ import pickle
 import random
 import shutil
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from holotrain.train.checkpoint import SafeFileSystemReader, latest_checkpoint
-from tests.conftest import read_metrics, run_cli, run_cli_here, sigkill_after, tiny_args
+from tests.conftest import REPO, read_metrics, run_cli, run_cli_here, sigkill_after, tiny_args
 
 
 def losses(run_dir):
@@ -112,8 +116,29 @@ def test_export_loads_in_transformers_with_same_logits(reference_run, tmp_path):
     tokens = torch.randint(0, ours.args.vocab_size, (2, 32))
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
-    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2
     assert (out / "tokenizer.json").is_file()
+
+    # The ids the run trained with: its BPE's end-of-text and padding, no begin-of-text; generation stops at the
+    # end of text (no chat template, so no end-of-turn token), greedily.
+    from tokenizers import Tokenizer
+
+    bpe = Tokenizer.from_file(str(reference_run / "tokenizer.json"))
+    eos, pad = bpe.token_to_id("<|endoftext|>"), bpe.token_to_id("<|pad|>")
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, eos, pad)
+    assert max(eos, pad) < config["vocab_size"]
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["pad_token_id"], generation["do_sample"]) == (eos, pad, False)
+    assert hf.generation_config.eos_token_id == eos
+    # tokenizer_config.json, which the run's BPE never had: transformers loads it and encodes as training did.
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast" and "chat_template" not in tok_config
+    assert tok_config["model_max_length"] == config["max_position_embeddings"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (eos, pad, None)
+    text = "def f(x):\n    return x + 1\n"
+    assert tokenizer(text)["input_ids"] == bpe.encode(text).ids
 
 
 def test_export_of_non_run_dir_is_a_clear_error(tmp_path):
@@ -242,16 +267,70 @@ def test_checkpoints_are_written_in_the_background_and_timed(reference_run, tmp_
     assert latest_checkpoint(run_dir).name == "step-40"
 
 
-def test_sigterm_finishes_the_checkpoint_being_written(reference_run, tmp_path):
-    """SIGTERM (torchrun or a scheduler stopping the job) unwinds the run: the checkpoint being written in the
-    background is completed, nothing half-written is left, and the run resumes exactly."""
+def test_sigterm_saves_the_step_and_the_run_resumes_exactly(reference_run, tmp_path):
+    """SIGTERM (torchrun or a scheduler stopping the job) finishes the step under way, saves a checkpoint of it
+    (waiting for the background write), and exits 143: nothing half-written is left, and the run resumes exactly."""
     run_dir = tmp_path / "terminated"
-    args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2})]
+    args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 7})]
     stopped_at = sigkill_after(args, run_dir, random.Random().randint(6, 30), sig=signal.SIGTERM)
     assert stopped_at < 40
+    assert latest_checkpoint(run_dir).name == f"step-{stopped_at}"
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
     run_cli(*args)
     assert losses(run_dir) == losses(reference_run), f"terminated after step {stopped_at}"
+
+
+def test_ctrl_c_saves_the_step_and_a_second_process_is_refused(reference_run, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group: trainer, data plane, loaders) at step 12 of 40 with
+    checkpoint.every = 20: exit 130, one line naming the checkpoint and the command that resumes, no traceback from
+    any process, /dev/shm clean; the rerun continues with the uninterrupted run's losses. While it runs (held 1 s a
+    step by the fault hook, so that it is still short of step 12 when the second process is done), a second process
+    into its run directory is refused within 10 s in one line."""
+    from holotrain.data.plane import shm_prefix
+
+    run_dir = tmp_path / "ctrl-c"
+    args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 20})]
+    proc = subprocess.Popen([sys.executable, "-m", "holotrain.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "HOLOTRAIN_SLOW_RANK": "0:forward:1.0"})
+    metrics = run_dir / "metrics.jsonl"
+
+    def rows() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    deadline = time.time() + 300
+    while rows() < 1 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    second = run_cli(*args, check=False)
+    assert second.returncode == 2 and time.perf_counter() - t0 < 10, second.stderr
+    assert f"is in use by pid {proc.pid} on" in second.stderr and len(second.stderr.strip().splitlines()) == 1
+    assert rows() < 12
+    while rows() < 12 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in out + err, err
+    saved = latest_checkpoint(run_dir)
+    assert saved.name in ("step-12", "step-13"), saved
+    assert f"holotrain: SIGINT: stopped after step {saved.name[5:]}, saved {saved}; resume with: holotrain train" in err
+    assert not list(Path("/dev/shm").glob(shm_prefix(run_dir) + "*"))
+    run_cli(*args)
+    assert losses(run_dir) == losses(reference_run)
+
+
+def test_a_changed_schedule_on_resume_is_said_out_loud(reference_run, tmp_path):
+    run_dir = tmp_path / "longer"
+    shutil.copytree(reference_run, run_dir)
+    proc = run_cli("train", *tiny_args(run_dir, **{"training.steps": 42, "checkpoint.every": 2}))
+    line = next(x for x in proc.stdout.splitlines() if "schedule changed" in x)
+    from holotrain.config import load_config
+    from holotrain.train.step import lr_at
+
+    old, new = load_config(reference_run / "config.toml"), load_config(run_dir / "config.toml")
+    assert "training.steps 40 -> 42" in line
+    assert f"at step 40 the learning rate is {lr_at(40, new):.3g} (it was {lr_at(40, old):.3g}" in line
 
 
 def test_goodput_accounts_for_the_whole_process(reference_run):
@@ -317,19 +396,22 @@ def test_no_thread_of_ours_outlives_training(tmp_path):
 
 
 def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_it_is_written(tmp_path, monkeypatch):
-    """The disk's free space is checked against the state's bytes first: a checkpoint that cannot fit is one clear
-    error naming the directory and the keys, and the checkpoints already written stay as they were."""
+    """The disk's free space is checked against the state's bytes first. With too little room and no checkpoint but
+    the newest intact one to remove (tests/test_full_disk.py removes older ones), nothing is written and the save is
+    refused in one line (NotWritten, which the run reports before training goes on) naming the directory, the free
+    and the needed space; the checkpoint already written stays as it was."""
     from collections import namedtuple
 
-    from holotrain.errors import ConfigError
     from holotrain.train import checkpoint
 
     state = {"model": {"w": torch.ones(1000)}, "optim": {"step": torch.tensor(3.0)}}
     checkpoint.write_checkpoint(tmp_path, 2, state, {"step": 2}, keep=2)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4000, 4000))
-    with pytest.raises(ConfigError, match=r"has 0\.0 GB free.*needs 0\.0 GB.*job\.run_dir.*checkpoint\.every = 0"):
+    with pytest.raises(checkpoint.NotWritten, match=rf"^{tmp_path / 'checkpoints'} has 0\.00 MB free, a checkpoint of "
+                                                    r"this run needs 0\.27 MB, and no older checkpoint is left to "
+                                                    r"remove$"):
         checkpoint.write_checkpoint(tmp_path, 4, state, {"step": 4}, keep=2)
-    assert latest_checkpoint(tmp_path).name == "step-2" and not list((tmp_path / "checkpoints").glob(".tmp-*/*"))
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4100, 4100))
+    assert latest_checkpoint(tmp_path).name == "step-2" and not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**7, 0, 10**6))
     assert checkpoint.write_checkpoint(tmp_path, 4, state, {"step": 4}, keep=2).name == "step-4"

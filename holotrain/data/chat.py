@@ -23,7 +23,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from holotrain.data.corpus import TOKENIZER_CONFIG, tokenizer_config
-from holotrain.data.sources import BadRecord
+from holotrain.data.sources import BadRecord, SourceConfig
 from holotrain.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
@@ -69,6 +69,35 @@ def template_source(choice: str, tokenizer_path: str | Path) -> str:
 def template_for(sources: list, choice: str, tokenizer_path: str | Path) -> str:
     """The chat template of a job: its source text if any source is a chat source, else ""."""
     return template_source(choice, tokenizer_path) if any(s.format == "chat" for s in sources) else ""
+
+
+def run_template(sources: list, choice: str, tokenizer_path: str | Path) -> str:
+    """The chat template a trained model goes out with, "" for none: the one its chat sources were rendered with
+    (template_for); for a run without chat sources, the one data.chat_template names, else the tokenizer's own where
+    it has one (an imported chat model trained on plain text)."""
+    if choice or any(s.format == "chat" for s in sources) or "chat_template" in tokenizer_config(tokenizer_path):
+        return template_source(choice, tokenizer_path)
+    return ""
+
+
+def end_of_turn(source: str, tokenizer_path: str | Path, tokenizer) -> int | None:
+    """The id of the special token that closes an assistant turn in a template (<|im_end|>, <|eot_id|>): the first
+    special token of the tokenizer after the answer in a one-turn conversation, cut out as the loss mask cuts it.
+    None where the template closes a turn with plain text only."""
+    answer = "Hello"
+    reader = ChatReader(SourceConfig(name="end_of_turn", path="", format="chat"),
+                        ChatTemplate(source, special_tokens(tokenizer_path)))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]
+    try:
+        text, [(start, stop)] = reader.render(messages)
+    except BadRecord:
+        return None
+    turn = text[start:stop]
+    if answer not in turn:
+        return None
+    special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    tail = tokenizer.encode(turn[turn.index(answer) + len(answer):], add_special_tokens=False).ids
+    return next((i for i in tail if i in special), None)
 
 
 def _tokenizer_template(tokenizer_path: str | Path) -> str:

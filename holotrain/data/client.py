@@ -3,6 +3,7 @@ batches from it into pinned memory and onto the GPU on a side stream, so the ste
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import multiprocessing as mp
 import os
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from holotrain.data.plane import PlaneSpec, plane_main
+from holotrain.data.shm import sweep_blocks
 from holotrain.data.worker import start_light
 from holotrain.errors import ConfigError
 
@@ -31,22 +33,77 @@ def plane_address(run_dir: Path) -> tuple[str, bytes]:
     return os.path.join(tempfile.gettempdir(), f"holotrain-{digest[:16]}.sock"), digest[16:48].encode()
 
 
-def start_plane(spec: PlaneSpec, state: dict | None, address: str, authkey: bytes) -> mp.Process:
+class PlaneProcess:
+    """The node's data-plane process, as its owner (local rank 0) holds it. The plane ignores SIGINT and SIGTERM:
+    it ends when a client asks it to (DataClient.close), when this process is gone, or by stop()."""
+
+    def __init__(self, proc: mp.Process, link, shm_prefix: str):
+        self.proc, self.shm_prefix = proc, shm_prefix
+        # This end of a pipe with the plane: on it the plane says why it could not listen; closing it stops the plane.
+        self._link = link
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def failure(self) -> Exception | None:
+        """Why the plane ended before it served (its one line for a user error), or None while it runs."""
+        if self.proc.is_alive():
+            return None
+        try:
+            kind, message = self._link.recv() if self._link.poll() else (None, None)
+        except EOFError:  # it ended without a word (killed)
+            kind = None
+        if kind is None:
+            return RuntimeError(f"the data plane exited (code {self.proc.exitcode}) before it served")
+        return ConfigError(message) if kind == "config_error" else RuntimeError(f"data plane failed: {message}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops the plane (if no client's "close" has already) and waits for it to end, killing it after `timeout` s;
+        then frees the blocks it could not (those of a plane killed here, or earlier)."""
+        self._link.close()
+        self.proc.join(timeout=timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        sweep_blocks(self.shm_prefix)
+        atexit.unregister(self.stop)
+
+
+def start_plane(spec: PlaneSpec, state: dict | None, address: str, authkey: bytes) -> PlaneProcess:
     if os.path.exists(address):
         os.unlink(address)
-    proc = mp.get_context("spawn").Process(
-        target=plane_main, args=(address, authkey, spec, state, os.getpid()), daemon=False, name="holotrain-data-plane"
-    )
+    ctx = mp.get_context("spawn")
+    link, plane_end = ctx.Pipe()
+    proc = ctx.Process(target=plane_main, args=(address, authkey, spec, state, os.getpid(), plane_end), daemon=False,
+                       name="holotrain-data-plane")
     start_light(proc)
-    return proc
+    plane_end.close()  # the plane holds it now: when the plane is gone, this end reads as closed
+    plane = PlaneProcess(proc, link, spec.shm_prefix)
+    # A plane never closed (this process stopped while starting it) would outlive it, and multiprocessing's own exit
+    # hook, which runs after this one, would wait for it forever.
+    atexit.register(plane.stop)
+    return plane
 
 
-def _connect(address: str, authkey: bytes, timeout: float = 300.0):
+def _connect(address: str, authkey: bytes, timeout: float = 300.0, plane: PlaneProcess | None = None):
+    """A connection to the plane at `address`. The plane's owner watches its process meanwhile: a plane that ended
+    without listening raises its reason at once instead of after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return Client(address, family="AF_UNIX", authkey=authkey)
         except (FileNotFoundError, ConnectionRefusedError):
+            failure = plane.failure() if plane is not None else None
+            if failure is not None:
+                raise failure from None
             if time.monotonic() > deadline:
                 raise RuntimeError(f"data plane at {address} did not come up in {timeout:.0f} s") from None
             time.sleep(0.05)
@@ -68,9 +125,10 @@ class DataClient:
     restart at every row either way)."""
 
     def __init__(self, address: str, authkey: bytes, rank: int, start_step: int, device: torch.device,
-                 plane: mp.Process | None = None, depth: int = 2, restart=None, plane_state: dict | None = None):
-        """`restart(state) -> process` (the plane's owner, local rank 0): starts a new plane from a plane state when
-        this one dies; `plane_state` is the state the current plane started from."""
+                 plane: PlaneProcess | None = None, depth: int = 2, restart=None, plane_state: dict | None = None):
+        """`plane`: the plane's process, held by its owner (local rank 0); `restart(state) -> PlaneProcess` (the
+        owner): starts a new plane from a plane state when this one dies; `plane_state` is the state the current
+        plane started from."""
         self.rank, self.device, self.plane = rank, device, plane
         self.address, self.authkey = address, authkey
         self.restart = restart
@@ -78,8 +136,8 @@ class DataClient:
         # Owner: plane states by resume position (the next step to produce), kept for the last few steps.
         self._states: dict[int, dict | None] = {start_step: plane_state}
         self._handed = start_step  # steps handed to training so far
-        self._batches = _connect(address, authkey)
-        self._control = _connect(address, authkey)
+        self._batches = _connect(address, authkey, plane=plane)
+        self._control = _connect(address, authkey, plane=plane)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._stop = threading.Event()
@@ -188,10 +246,8 @@ class DataClient:
             self.restarts += 1
             if self.restarts > MAX_PLANE_RESTARTS:
                 raise RuntimeError(f"the data plane died {self.restarts} times; giving up")
-            if self.plane is not None and self.plane.is_alive():
-                self.plane.terminate()
             if self.plane is not None:
-                self.plane.join(timeout=10)
+                self.plane.stop(timeout=0)  # one still alive no longer answers: it is killed
             position = max(k for k in self._states if k <= max(min(self._states), self._handed - 1))
             code = self.plane.exitcode if self.plane is not None else None
             print(f"holotrain: warning: the data plane exited (code {code}); restarting it from step {position}",
@@ -199,8 +255,8 @@ class DataClient:
             self.plane = self.restart(self._states[position])
         for conn in (self._batches, self._control):
             conn.close()
-        self._batches = _connect(self.address, self.authkey, RECONNECT_S)
-        self._control = _connect(self.address, self.authkey, RECONNECT_S)
+        self._batches = _connect(self.address, self.authkey, RECONNECT_S, self.plane)
+        self._control = _connect(self.address, self.authkey, RECONNECT_S, self.plane)
 
     def close(self, stop_plane: bool) -> None:
         # The prefetch thread must be out of torch before the interpreter exits: a daemon thread inside an
@@ -210,11 +266,9 @@ class DataClient:
         if stop_plane:
             try:
                 self._request(self._control, ("close",))
-            except (EOFError, OSError, RuntimeError):
+            except (EOFError, OSError, RuntimeError, ConfigError):
                 pass
             if self.plane is not None:
-                self.plane.join(timeout=10)
-                if self.plane.is_alive():
-                    self.plane.terminate()
+                self.plane.stop()
         for conn in (self._batches, self._control):
             conn.close()

@@ -122,13 +122,7 @@ def prepare_tokenizer(sources: list[SourceConfig], tokenizer: str, vocab_size: i
     from tokenizers import Tokenizer
 
     if tokenizer:
-        path = Path(tokenizer)
-        if not path.is_file():
-            raise ConfigError(f"data.tokenizer: file not found: {tokenizer}")
-        try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-            raise ConfigError(f"data.tokenizer: cannot load {tokenizer!r} ({e})") from None
+        tok, path = load_tokenizer(tokenizer)
     else:
         h = hashlib.sha256(json.dumps([vocab_size, sample_mb]).encode())
         for src in sources:
@@ -147,6 +141,19 @@ def prepare_tokenizer(sources: list[SourceConfig], tokenizer: str, vocab_size: i
         tok = Tokenizer.from_file(str(path))
     special_ids(tok, path)  # a tokenizer without an end-of-text token is refused now, naming the file
     return tok, path
+
+
+def load_tokenizer(tokenizer: str):
+    """data.tokenizer's file loaded: (tokenizers.Tokenizer, its path), or a ConfigError line naming it."""
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data.tokenizer: file not found: {tokenizer}")
+    try:
+        return Tokenizer.from_file(str(path)), path
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise ConfigError(f"data.tokenizer: cannot load {tokenizer!r} ({e})") from None
 
 
 TOKENIZER_CONFIG = "tokenizer_config.json"  # Hugging Face's: special tokens and chat template, beside tokenizer.json
@@ -193,3 +200,13 @@ def special_ids(tokenizer, tokenizer_path: str | Path) -> tuple[int, int]:
     pad_text = _token_text(config.get("pad_token")) or PAD
     pad = tokenizer.token_to_id(pad_text)
     return eos, eos if pad is None else pad
+
+
+def begin_of_text(tokenizer, tokenizer_path: str | Path) -> int | None:
+    """The begin-of-text id of a tokenizer, or None where it has none: the bos_token its tokenizer_config.json names,
+    else the token its post-processor puts before every text (plain text is encoded with it, worker.py)."""
+    named = _token_text(tokenizer_config(tokenizer_path).get("bos_token"))
+    if named is not None and tokenizer.token_to_id(named) is not None:
+        return tokenizer.token_to_id(named)
+    plain, marked = tokenizer.encode("a", add_special_tokens=False).ids, tokenizer.encode("a").ids
+    return marked[0] if len(marked) > len(plain) and marked[:1] != plain[:1] else None

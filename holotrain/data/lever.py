@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 from holotrain.data.chat import template_for
 from holotrain.data.client import DataClient, plane_address, start_plane
 from holotrain.data.corpus import special_ids
-from holotrain.data.plane import PlaneSpec, shm_prefix
+from holotrain.data.monitor import SkipMonitor
+from holotrain.data.plane import PlaneSpec
+from holotrain.data.shm import shm_prefix
 from holotrain.jsonl import truncate_jsonl
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ class Data:
     def __init__(self, section: DataConfig, env: DistEnv, run_dir: Path, tokenizer, layout: Layout,
                  state: dict | None, start_step: int):
         self.env = env
+        self.skips = SkipMonitor(section.max_skip_fraction, env.is_main)
         node_first = env.rank - env.local_rank
         tokenizer_path = Path(run_dir) / "tokenizer.json"
         eos_id, pad_id = special_ids(tokenizer, tokenizer_path)
@@ -60,8 +63,13 @@ class Data:
         owner = env.local_rank == 0  # starts this node's plane, and restarts it if it dies
         plane = start_plane(spec, state, address, key) if owner else None
         restart = (lambda plane_state: start_plane(spec, plane_state, address, key)) if owner else None
-        self.client = DataClient(address, key, env.rank, start_step, env.device, plane=plane, restart=restart,
-                                 plane_state=state)
+        try:
+            self.client = DataClient(address, key, env.rank, start_step, env.device, plane=plane, restart=restart,
+                                     plane_state=state)
+        except BaseException:  # e.g. a signal while connecting
+            if plane is not None:
+                plane.stop()
+            raise
         self._samples_log = None
         if env.is_main and section.log_samples:
             truncate_jsonl(Path(run_dir) / "samples.jsonl", start_step)
@@ -80,12 +88,18 @@ class Data:
         return self.client.state(steps_done) if self.env.is_main else None
 
     def metrics(self, steps: int) -> dict:
+        """The data.* fields of the metrics row. Warns (main rank) of records skipped since the last call, and raises
+        ConfigError, on every rank alike, when a source skips more than data.max_skip_fraction (monitor.py)."""
         stats = self.client.stats
         c = self.client
+        sources = stats.get("sources", {})
+        self.skips.check(sources)
         # Share of the micro-batches handed out so far that held a document boundary (and took the masked attention).
         masked = c.masked_micro_batches / c.micro_batches if c.micro_batches else None
         return {**{f"data.{k}": stats.get(k) for k in STAT_FIELDS}, "data.plane_restarts": c.restarts,
-                "data.doc_masked_share": masked}
+                "data.doc_masked_share": masked,
+                "data.records_by_source": {name: s["records"] for name, s in sources.items()},
+                "data.skipped_by_source": {name: s["skipped"] for name, s in sources.items()}}
 
     def close(self) -> None:
         if self._samples_log is not None:

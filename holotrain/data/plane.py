@@ -15,13 +15,13 @@ This module must not import torch: the service process stays small.
 from __future__ import annotations
 
 import multiprocessing as mp
-import hashlib
 import os
+import queue
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Listener
 from pathlib import Path
 
@@ -29,8 +29,10 @@ import numpy as np
 
 from holotrain.data.mixture import Mixture
 from holotrain.data.packing import Packer, StepFormer, sample_arrays
+from holotrain.data.shm import new_block, owner_prefix, sweep_blocks, unlink_block
+from holotrain.data.shm import shm_prefix  # noqa: F401 - callers find it here too
 from holotrain.data.sources import SourceConfig, plan_chunks, source_files
-from holotrain.data.worker import new_block, read_block, start_light, worker_main
+from holotrain.data.worker import ignore_stop_signals, read_block, start_light, worker_main
 from holotrain.errors import ConfigError
 
 
@@ -86,6 +88,7 @@ class LoaderPool:
 
     def __init__(self, spec: PlaneSpec, files: list[list[Path]]):
         self.spec, self.files = spec, files
+        self.prefix = owner_prefix(spec.shm_prefix, os.getpid())  # the loaders' chunks are this plane's blocks
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
         self.workers: dict[int, _Worker] = {}
@@ -100,7 +103,8 @@ class LoaderPool:
         self._closed = False
         for s in range(len(spec.sources)):
             self._spawn(s)
-        threading.Thread(target=self._collect, daemon=True).start()
+        self._collector = threading.Thread(target=self._collect, daemon=True)
+        self._collector.start()
 
     def _spawn(self, source: int) -> _Worker:
         src = self.spec.sources[source]
@@ -108,7 +112,7 @@ class LoaderPool:
         proc = self.ctx.Process(
             target=worker_main, daemon=True,
             args=(self._next_id, [str(f) for f in self.files[source]], src, self.spec.tokenizer_path,
-                  self.spec.eos_id, self.spec.chat_template, tasks, self.results, os.getpid(), self.spec.shm_prefix),
+                  self.spec.eos_id, self.spec.chat_template, tasks, self.results, os.getpid(), self.prefix),
         )
         start_light(proc)
         w = _Worker(proc, source, tasks)
@@ -128,14 +132,14 @@ class LoaderPool:
                     self.cond.notify_all()
                     continue
                 if self._closed:
-                    _unlink(res["shm"])
+                    unlink_block(res["shm"])
                     continue
                 key = (res["source"], res["epoch"], res["index"])
                 w = self.workers.get(wid)
                 if w is not None:
                     w.inflight.pop((res["epoch"], res["index"]), None)
                 if key in self.ready or self._dispatched_elsewhere(key, wid):
-                    _unlink(res["shm"])  # a duplicate from a worker presumed dead: drop it
+                    unlink_block(res["shm"])  # a duplicate from a worker presumed dead: drop it
                 else:
                     self.ready[key] = res
                     self._delivered[res["source"]] += 1
@@ -176,6 +180,8 @@ class LoaderPool:
         t0 = time.monotonic()
         with self.cond:
             while key not in self.ready:
+                if self._closed:
+                    raise RuntimeError("the loaders were stopped")  # the plane is shutting down
                 if self.failure is not None:
                     kind, message = self.failure
                     raise ConfigError(message) if kind == "config_error" else RuntimeError(f"loader failed: {message}")
@@ -195,6 +201,8 @@ class LoaderPool:
             self._spawn(source)
 
     def _replace_dead(self) -> None:
+        if self._closed:
+            return
         for wid, w in list(self.workers.items()):
             if w.retired or w.proc.is_alive():
                 continue
@@ -211,46 +219,38 @@ class LoaderPool:
                 new.tasks.put((chunk, epoch))
             w.inflight = {}
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stops the loaders: each is told to (they ignore SIGTERM) and finishes the chunk it is on, and one that has
+        not within `grace_s` is killed. Once they are gone, the chunks no one will read are freed.
+
+        The threads that hold this pool or its queues end here too: an object freed in a daemon thread while the
+        process exits can stop half-way (a queue's semaphore then stays on multiprocessing's resource tracker, which
+        warns at the end of the run)."""
         with self.cond:
             self._closed = True
             for w in self.workers.values():
                 if w.proc.is_alive():
-                    w.proc.terminate()
+                    w.tasks.put(None)
             leftovers, self.ready = list(self.ready.values()), {}
+        deadline, killed = time.monotonic() + grace_s, False
         for w in self.workers.values():
-            w.proc.join(timeout=2)  # a worker still writing a chunk would leave its block behind
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join()
+                killed = True
+            w.tasks.close()
+            w.tasks.join_thread()  # its few small tasks fit in the pipe, read or not
+        self._collector.join(timeout=2)  # it checks for the close every 0.5 s
+        while not killed:  # chunks finished after the close (a killed loader may have left half a message: not read)
+            try:
+                kind, _, res = self.results.get(timeout=0.05)
+            except queue.Empty:
+                break
+            if kind == "chunk":
+                leftovers.append(res)
         for res in leftovers:
-            _unlink(res["shm"])
-
-
-def shm_prefix(run_dir: Path) -> str:
-    """The prefix of the shared-memory blocks of the run directory's data plane on this node."""
-    return "ht" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10] + "_"
-
-
-def sweep_blocks(prefix: str) -> int:
-    """Removes every shared-memory block named with `prefix` (Linux: /dev/shm); returns how many. Blocks in
-    flight when a plane died, or when its training process was killed, are found this way and not leaked."""
-    if not prefix or not os.path.isdir("/dev/shm"):
-        return 0
-    removed = 0
-    for path in Path("/dev/shm").glob(f"{prefix}*"):
-        try:
-            path.unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def _unlink(name: str) -> None:
-    try:
-        shm = shared_memory.SharedMemory(name=name)
-        shm.close()
-        shm.unlink()
-    except FileNotFoundError:
-        pass
+            unlink_block(res["shm"])
 
 
 def _take_block(res: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -273,7 +273,7 @@ class SourceStream:
         self.seed, self.shuffle = seed, shuffle
         self.epoch, self.position, self.doc = 0, 0, 0
         self.current = None
-        self.skipped, self.skip_examples = 0, []
+        self.records, self.skipped, self.skip_examples = 0, 0, []  # records read so far, and skipped of them
         self._orders: dict[int, np.ndarray] = {}
         self._empty_chunks_in_row = 0
 
@@ -304,6 +304,7 @@ class SourceStream:
             self.pool.prefetch(self.index, self.upcoming(8))
             res = self.pool.wait(self.index, self.epoch, self.chunks[self.order(self.epoch)[self.position]].index)
             if self.doc == 0:  # a chunk re-read after a resume was already counted
+                self.records += res.get("records", 0)
                 self.skipped += res["skipped"]
                 self.skip_examples = (self.skip_examples + res["skip_examples"])[:5]
             self.current = _take_block(res)
@@ -319,12 +320,15 @@ class SourceStream:
         return tokens[span], key, None if mask is None else mask[span]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "doc": self.doc, "skipped": self.skipped,
-                "skip_examples": self.skip_examples}
+        return {"epoch": self.epoch, "position": self.position, "doc": self.doc, "records": self.records,
+                "skipped": self.skipped, "skip_examples": self.skip_examples}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position, self.doc = state["epoch"], state["position"], state["doc"]
         self.skipped, self.skip_examples = state["skipped"], list(state["skip_examples"])
+        self.records = state.get("records", 0)
+        if "records" not in state:  # an older holotrain's checkpoint: both counts start again, to stay a share
+            self.skipped = 0
         self.current = None
         if self.doc > 0:  # reopen the chunk in progress and continue after its last consumed document
             res = self.pool.wait(self.index, self.epoch, self._fetch_current())
@@ -397,6 +401,10 @@ class Constructor:
             "skipped": sum(s.skipped for s in self.streams),
             "skip_examples": [e for s in self.streams for e in s.skip_examples][:5],
             "padding": self.packer.pad_tokens / max(1, self.packer.total_tokens),
+            # Per source, for the trainer's warnings and its data.max_skip_fraction check (monitor.SkipMonitor):
+            # records read and skipped so far, the first skipped one, and the passes over the source completed.
+            "sources": {s.name: {"records": s.records, "skipped": s.skipped, "passes": s.epoch,
+                                 "first": s.skip_examples[0] if s.skip_examples else None} for s in self.streams},
         }
 
 
@@ -415,45 +423,75 @@ def _put_arrays(arrays: tuple[np.ndarray, ...], accum: int, micro: int, prefix: 
     return {"shm": name, "shape": stacked.shape}
 
 
+def _failure(e: BaseException) -> tuple[str, str]:
+    """An error as the clients get it: ("config_error", its one line) for a user error, else ("error", traceback)."""
+    return ("config_error", str(e)) if isinstance(e, ConfigError) else ("error", traceback.format_exc())
+
+
 class _PlaneError(Exception):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind, self.message = kind, message
 
 
-def plane_main(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, parent_pid: int) -> None:
+def plane_main(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, parent_pid: int,
+               link=None) -> None:
+    """The plane process. It ignores SIGINT and SIGTERM (the training process handles them) and stops when a client
+    sends "close", when its owner closes `link` (one end of a pipe, client.PlaneProcess holds the other), or when the
+    training process is gone. It prints nothing: it listens first, and whatever fails after that (reading the
+    sources, a loader) is the reply to every request from then on, so every rank raises it; a failure to listen
+    goes to the owner through `link`."""
+    ignore_stop_signals()
     try:
-        _serve(address, authkey, spec, state, parent_pid)
-    except BaseException:
-        traceback.print_exc()
-        raise
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    except Exception as e:
+        if link is not None:
+            link.send(_failure(e))
+        return
+    _serve(listener, spec, state, parent_pid, link)
 
 
-def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, parent_pid: int) -> None:
-    sweep_blocks(spec.shm_prefix)  # a previous plane of this run that was killed left these behind
+def _build(spec: PlaneSpec, state: dict | None) -> tuple[object, Constructor]:
+    """The loaders and the constructor, at the position `state` gives."""
+    sweep_blocks(spec.shm_prefix)  # a plane of this run that was killed left these behind (live planes' stay)
     files = [source_files(s) for s in spec.sources]
     if spec.backend == "ray":
         from holotrain.data.ray_backend import RayLoaderPool
 
         pool = RayLoaderPool(spec, files)
+        ignore_stop_signals()  # ray.init sets a SIGTERM handler of its own
     else:
         pool = LoaderPool(spec, files)
-    streams = [
-        SourceStream(i, plan_chunks(i, f, spec.chunk_bytes, s.document, s.path_field), pool, spec.seed, spec.shuffle,
-                     s.name)
-        for i, (s, f) in enumerate(zip(spec.sources, files))
-    ]
-    constructor = Constructor(spec, streams)
-    listener = Listener(address, family="AF_UNIX", authkey=authkey)
-    if state is not None:
-        constructor.load_state_dict(state)
+    try:
+        streams = [
+            SourceStream(i, plan_chunks(i, f, spec.chunk_bytes, s.document, s.path_field), pool, spec.seed,
+                         spec.shuffle, s.name)
+            for i, (s, f) in enumerate(zip(spec.sources, files))
+        ]
+        constructor = Constructor(spec, streams)
+        if state is not None:
+            constructor.load_state_dict(state)
+    except BaseException:
+        pool.close()
+        raise
+    return pool, constructor
+
+
+def _serve(listener: Listener, spec: PlaneSpec, state: dict | None, parent_pid: int, link) -> None:
+    prefix = owner_prefix(spec.shm_prefix, os.getpid())
     produced: dict[int, dict] = {}  # step -> {"ranks", "state", "stats"}
     cond = threading.Condition()
-    consumed = {r: constructor.step for r in spec.local_ranks}  # next step each rank will ask for
-    error: list[str] = []
+    first = state["step"] if state is not None else 0
+    consumed = {r: first for r in spec.local_ranks}  # next step each rank will ask for
+    error: list[tuple[str, str]] = []  # why the plane cannot go on: every request's reply from then on
     stop = threading.Event()
 
-    def producer() -> None:
+    def fail(e: BaseException) -> None:
+        with cond:
+            error.append(_failure(e))
+            cond.notify_all()
+
+    def producer(pool, constructor: Constructor) -> None:
         try:
             while not stop.is_set():
                 with cond:
@@ -464,8 +502,8 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
                 step_index = constructor.step
                 out = constructor.produce()
                 entry = {
-                    "ranks": {r: {**_put_arrays(v["arrays"], spec.accum, spec.micro_batch, spec.shm_prefix), "samples": v["samples"]}
-                              for r, v in out["ranks"].items()},
+                    "ranks": {r: {**_put_arrays(v["arrays"], spec.accum, spec.micro_batch, prefix),
+                                  "samples": v["samples"]} for r, v in out["ranks"].items()},
                     "state": constructor.state_dict(),
                     "stats": {**constructor.stats(), "cost_max_over_mean": out["cost_max_over_mean"],
                               "workers": pool.counts(), "worker_restarts": pool.restarts},
@@ -477,9 +515,7 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
                         del produced[old]
                     cond.notify_all()
         except BaseException as e:  # surfaced to every client: a user error as its one line
-            error.append(("config_error", str(e)) if isinstance(e, ConfigError) else ("error", traceback.format_exc()))
-            with cond:
-                cond.notify_all()
+            fail(e)
 
     def wait_step(step: int) -> dict:
         with cond:
@@ -516,23 +552,34 @@ def _serve(address: str, authkey: bytes, spec: PlaneSpec, state: dict | None, pa
             return
 
     def accept() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 conn = listener.accept()
-            except OSError:
-                return
+            except (EOFError, OSError, mp.AuthenticationError):  # the listener closed, or a client left mid-handshake
+                time.sleep(0.01)
+                continue
             threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
-    producing = threading.Thread(target=producer, daemon=True)
-    producing.start()
+    # Clients connect at once, and hear of a failure to start (a missing file, a malformed one) as their first reply.
     threading.Thread(target=accept, daemon=True).start()
+    pool, producing = None, None
+    try:
+        pool, constructor = _build(spec, state)
+    except Exception as e:
+        fail(e)
+    else:
+        producing = threading.Thread(target=producer, args=(pool, constructor), daemon=True)
+        producing.start()
     while not stop.wait(0.5):
-        if os.getppid() != parent_pid:  # the training process is gone: so is the plane
+        # The training process is gone, or its owner closed the link (the owner never writes to it: readable is closed).
+        if os.getppid() != parent_pid or (link is not None and link.poll()):
             stop.set()
-    producing.join(timeout=10)  # a step being produced now would otherwise leave its blocks behind
-    pool.close()
+    if producing is not None:
+        producing.join(timeout=10)  # a step being produced now would otherwise leave its blocks behind
+    if pool is not None:
+        pool.close()
     for entry in produced.values():
         for r in entry["ranks"].values():
-            _unlink(r["shm"])
-    sweep_blocks(spec.shm_prefix)  # and any other block still named for this plane: no one will read it now
+            unlink_block(r["shm"])
+    sweep_blocks(spec.shm_prefix)  # this plane's other blocks (no one will read them now), and dead planes'
     listener.close()

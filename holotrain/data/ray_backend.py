@@ -33,7 +33,8 @@ class LoaderActor:
     def load(self, chunk, epoch: int) -> dict:
         tokenized = tokenize_chunk(chunk, self.paths, self.text_field, self.tokenizer, self.eos_id, self.chat)
         return {"source": chunk.source, "index": chunk.index, "epoch": epoch, "arrays": tokenized.arrays(),
-                "n_tokens": len(tokenized.tokens), "n_docs": len(tokenized.keys), "skipped": tokenized.text.skipped,
+                "n_tokens": len(tokenized.tokens), "n_docs": len(tokenized.keys), "records": tokenized.text.records,
+                "skipped": tokenized.text.skipped,
                 "skip_examples": tokenized.text.skip_examples}
 
 

@@ -172,19 +172,29 @@ class ChunkText:
     token_docs: list[np.ndarray] = field(default_factory=list)  # pre-tokenized documents (npy sources)
     # Chat sources: per text, the (start, stop) character spans of its assistant turns (the tokens trained on).
     spans: list[list[tuple[int, int]]] | None = None
+    records: int = 0  # records read: those kept (a directory document counts each of its records) and those skipped
     skipped: int = 0
     skip_examples: list[str] = field(default_factory=list)
 
     def skip(self, where: str, why: str) -> None:
+        self.records += 1
         self.skipped += 1
         if len(self.skip_examples) < MAX_SKIP_EXAMPLES:
             self.skip_examples.append(f"{where}: {why}")
 
-    def add(self, key: tuple[int, int], text: str, spans: list[tuple[int, int]] | None = None) -> None:
+    def add(self, key: tuple[int, int], text: str, spans: list[tuple[int, int]] | None = None,
+            records: int = 1) -> None:
+        self.records += records
         self.keys.append(key)
         self.texts.append(text)
         if spans is not None:
             self.spans.append(spans)
+
+    def extend(self, other: ChunkText) -> None:
+        """Adds another part's counts (not its documents)."""
+        self.records += other.records
+        self.skipped += other.skipped
+        self.skip_examples = (self.skip_examples + other.skip_examples)[:MAX_SKIP_EXAMPLES]
 
 
 def read_chunk(chunk: Chunk, files: list[Path], text_field: str, eos_id: int, chat=None) -> ChunkText:
@@ -266,10 +276,9 @@ def _read_txt_directory(chunk: Chunk, files: list[Path], out: ChunkText) -> None
         one = ChunkText()
         _read_txt(chunk, files[fi], one)
         parts += one.texts
-        out.skipped += one.skipped
-        out.skip_examples = (out.skip_examples + one.skip_examples)[:MAX_SKIP_EXAMPLES]
+        out.extend(one)
     if parts:
-        out.add((chunk.file, 0), JOIN.join(parts))
+        out.add((chunk.file, 0), JOIN.join(parts), records=0)  # its files are counted above
 
 
 def _read_jsonl_directories(chunk: Chunk, path: Path, text_field: str, path_field: str, out: ChunkText) -> None:
@@ -282,7 +291,7 @@ def _read_jsonl_directories(chunk: Chunk, path: Path, text_field: str, path_fiel
     def flush() -> None:
         nonlocal texts, key
         if texts:
-            out.add(key, JOIN.join(texts))
+            out.add(key, JOIN.join(texts), records=len(texts))
         texts, key = [], None
 
     with open(path, "rb") as f:
@@ -364,17 +373,40 @@ def _read_parquet(chunk: Chunk, path: Path, text_field: str, chat, out: ChunkTex
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
-    names = pf.schema_arrow.names
-    if chat is None and text_field not in names:
-        raise ConfigError(f"{path}: no column {text_field!r} (data.sources text_field)")
-    columns = chat.parquet_columns(names, path) if chat is not None else [text_field]
+    columns = _parquet_columns(pf, path, text_field, chat)
     row, group = 0, 0
     while row < chunk.start:  # find the row group this chunk is
         row += pf.metadata.row_group(group).num_rows
         group += 1
-    records = pf.read_row_group(group, columns=columns).to_pylist()
+    _parquet_records(pf.read_row_group(group, columns=columns).to_pylist(), chunk.file, chunk.start, path, text_field,
+                     chat, out)
+
+
+def read_parquet_head(path: Path, file_index: int, text_field: str, chat, rows: int) -> ChunkText:
+    """The first `rows` rows of a parquet file read as a loader reads them, without reading a whole row group (for
+    data.inputs' sample of a source)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    columns = _parquet_columns(pf, path, text_field, chat)
+    out = ChunkText(spans=[] if chat is not None else None)
+    for batch in pf.iter_batches(batch_size=max(1, rows), columns=columns):
+        _parquet_records(batch.to_pylist(), file_index, 0, path, text_field, chat, out)
+        break
+    return out
+
+
+def _parquet_columns(pf, path: Path, text_field: str, chat) -> list[str]:
+    names = pf.schema_arrow.names
+    if chat is None and text_field not in names:
+        raise ConfigError(f"{path}: no column {text_field!r} (data.sources text_field)")
+    return chat.parquet_columns(names, path) if chat is not None else [text_field]
+
+
+def _parquet_records(records: list[dict], file_index: int, first_row: int, path: Path, text_field: str, chat,
+                     out: ChunkText) -> None:
     for i, record in enumerate(records):
-        where, key = f"{path}:row {chunk.start + i}", (chunk.file, chunk.start + i)
+        where, key = f"{path}:row {first_row + i}", (file_index, first_row + i)
         if chat is not None:
             _add_conversation(chat, record, key, where, out)
         elif not isinstance(record[text_field], str) or not record[text_field]:
@@ -395,6 +427,7 @@ def _read_tokens(chunk: Chunk, path: Path, eos_id: int, out: ChunkText) -> None:
         if doc[-1] == eos_id:
             doc = doc[:-1]
         if len(doc):
+            out.records += 1
             out.keys.append((chunk.file, pos))
             out.token_docs.append(doc)
         pos = end

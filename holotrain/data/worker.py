@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
-import secrets
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -21,8 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from holotrain.data.chat import assistant_mask, reader_for
+from holotrain.data.shm import new_block
 from holotrain.data.sources import Chunk, ChunkText, SourceConfig, read_chunk
 from holotrain.errors import ConfigError
+
+# A terminal's Ctrl-C and many schedulers signal the whole process group. The data plane and its loaders ignore
+# these: their lifetime is the training process's, which closes them (or whose end they notice).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _starts_offset(n_tokens: int) -> int:
@@ -57,29 +62,51 @@ class TokenizedChunk:
 
 
 def start_light(proc) -> None:
-    """Start a spawned process without re-importing the parent's main module in it.
+    """Start a spawned process without re-importing the parent's main module in it, with SIGINT and SIGTERM blocked
+    until its target ignores them (ignore_stop_signals).
 
     Spawned children normally import the launching script (here the trainer's CLI, and with it torch),
     which would cost every loader process hundreds of MB; the plane and its workers need none of it.
+    The child inherits the signal mask of the thread that starts it: a Ctrl-C during its start-up (the imports
+    before its target runs) then waits, blocked, and is dropped, instead of raising KeyboardInterrupt there.
     """
     main = sys.modules["__main__"]
     saved = {k: main.__dict__.pop(k) for k in ("__spec__", "__file__") if k in main.__dict__}
     main.__spec__ = None
+    # Spawning starts multiprocessing's resource tracker the first time, and that unblocks these signals on its way
+    # out: started first, it leaves the mask below alone.
+    resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # this thread's only: any thread may start one
     try:
         proc.start()
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal that came meanwhile is delivered here now
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
 
 
+def ignore_stop_signals() -> None:
+    """The first thing a plane or loader process does (start_light blocked these signals until now)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)  # also drops one that is pending
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def worker_main(worker_id: int, files: list[str], src: SourceConfig, tokenizer_path: str, eos_id: int,
                 chat_template: str, tasks, results, parent_pid: int, shm_prefix: str = "") -> None:
+    """A loader process: it stops when the plane sends None, or when the plane is gone. Its errors go to the plane
+    through `results` (which hands them to the training ranks); it prints nothing."""
+    ignore_stop_signals()
     # One core per worker: the plane scales by workers, so the tokenizer must not fan out threads itself.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
+    try:
+        from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(tokenizer_path)
-    chat = reader_for(src, chat_template, tokenizer_path)
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+        chat = reader_for(src, chat_template, tokenizer_path)
+    except Exception as e:  # the same in every replacement: report it once rather than die
+        results.put(_failure(e, worker_id, {"source": -1, "epoch": 0, "index": -1}))
+        return
     paths = [Path(f) for f in files]
     while True:
         if os.getppid() != parent_pid:  # the data plane is gone: do not outlive it
@@ -93,11 +120,17 @@ def worker_main(worker_id: int, files: list[str], src: SourceConfig, tokenizer_p
         chunk, epoch = task
         try:
             tokenized = tokenize_chunk(chunk, paths, src.text_field, tokenizer, eos_id, chat)
+            if os.getppid() != parent_pid:  # no one would free the block
+                return
             results.put(("chunk", worker_id, write_block(chunk, epoch, tokenized, shm_prefix)))
         except Exception as e:  # a bad file fails the same way every time: report it, do not die and retry
-            kind = "config_error" if isinstance(e, ConfigError) else "error"
-            results.put((kind, worker_id, {"source": chunk.source, "epoch": epoch, "index": chunk.index,
-                                           "message": str(e) if kind == "config_error" else traceback.format_exc()}))
+            results.put(_failure(e, worker_id, {"source": chunk.source, "epoch": epoch, "index": chunk.index}))
+
+
+def _failure(e: Exception, worker_id: int, where: dict) -> tuple:
+    """A loader's error for the plane: a user error as its one line, anything else with its traceback."""
+    kind = "config_error" if isinstance(e, ConfigError) else "error"
+    return kind, worker_id, {**where, "message": str(e) if kind == "config_error" else traceback.format_exc()}
 
 
 def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, eos_id: int,
@@ -123,14 +156,9 @@ def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, 
     return TokenizedChunk(tokens, starts, keys, mask, text)
 
 
-def new_block(size: int, prefix: str = "") -> shared_memory.SharedMemory:
-    """A shared-memory block named with the plane's prefix (random otherwise), so that the blocks a killed run
-    left behind can be found and removed (plane.sweep_blocks)."""
-    return shared_memory.SharedMemory(create=True, size=size, name=f"{prefix}{secrets.token_hex(8)}" if prefix else None)
-
-
 def write_block(chunk: Chunk, epoch: int, tokenized: TokenizedChunk, shm_prefix: str = "") -> dict:
-    """A tokenized chunk into a new shared block; returns what the queue carries to the plane."""
+    """A tokenized chunk into a new shared block named with its plane's owner prefix (shm.owner_prefix); returns
+    what the queue carries to the plane."""
     n_tokens, n_docs = len(tokenized.tokens), len(tokenized.keys)
     n_mask = 0 if tokenized.mask is None else n_tokens
     shm = new_block(block_size(n_tokens, n_docs, n_mask), shm_prefix)
@@ -143,7 +171,7 @@ def write_block(chunk: Chunk, epoch: int, tokenized: TokenizedChunk, shm_prefix:
     resource_tracker.unregister(shm._name, "shared_memory")
     return {
         "source": chunk.source, "index": chunk.index, "epoch": epoch, "shm": name, "n_tokens": n_tokens,
-        "n_docs": n_docs, "n_mask": n_mask, "skipped": tokenized.text.skipped,
+        "n_docs": n_docs, "n_mask": n_mask, "records": tokenized.text.records, "skipped": tokenized.text.skipped,
         "skip_examples": tokenized.text.skip_examples,
     }
 

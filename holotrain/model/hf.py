@@ -186,3 +186,15 @@ def hf_config_dict(args: LlamaArgs, dtype: str = "float32") -> dict:
     else:
         config.update(attention_bias=args.qkv_bias, mlp_bias=args.mlp_bias)
     return config
+
+
+def hf_generation_config(bos_token_id: int | None, eos_token_id: int, pad_token_id: int, stop_ids: list[int]) -> dict:
+    """generation_config.json: greedy decoding that ends at any of `stop_ids` (the end-of-text `eos_token_id` and a
+    chat template's end of an assistant turn), so that generate() with no arguments answers one turn and stops."""
+    assert eos_token_id in stop_ids
+    return {
+        "bos_token_id": bos_token_id,
+        "eos_token_id": stop_ids[0] if len(stop_ids) == 1 else stop_ids,
+        "pad_token_id": pad_token_id,
+        "do_sample": False,
+    }

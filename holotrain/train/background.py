@@ -64,6 +64,14 @@ class BackgroundWriter:
             error, self._error = self._error, None
             raise RuntimeError(f"writing {self.what} failed") from error
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits up to `timeout` seconds for the write under way; True when no write is left running (its error,
+        if any, is still raised by the next wait())."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
     def metrics(self, steps: int) -> dict:
         """time.checkpoint: seconds per step the loop was blocked by saves since the last call; checkpoint.write_s:
         the background writes that finished since then (seconds each, summed; None when none did)."""

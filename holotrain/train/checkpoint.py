@@ -4,9 +4,14 @@ Layout: RUN_DIR/checkpoints/step-N/ holds the DCP shards of model + optimizer + 
 file's size) and `trainer_state.json` (step). A checkpoint is written into `.tmp-step-N/` and renamed into place
 only after every rank has finished and every file is synced, so a crash mid-save leaves the previous checkpoint
 as the newest complete one; one damaged later (a truncated or missing file) is detected against the manifest or
-when it fails to load, and the previous one is used. Loading reads DCP's metadata through an unpickler that
-admits only DCP's own metadata classes, and tensors with `torch.load(weights_only=True)`. Writing in the
-background, while training goes on, is train/checkpointer.py's.
+when it fails to load, and the previous one is used. One that is intact but holds other tensors than the job's
+(another model or setting) is a mismatch (CheckpointMismatch), not damage. Loading reads DCP's metadata through an
+unpickler that admits only DCP's own metadata classes, and tensors with `torch.load(weights_only=True)`. Writing
+in the background, while training goes on, is train/checkpointer.py's.
+
+A full disk does not stop the run: a save that finds no room removes older checkpoints (never the newest intact
+one) until it fits, and one that still does not fit, or whose write fails midway, leaves nothing behind and raises
+NotWritten, which the caller reports in one line before training goes on.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from holotrain.errors import ConfigError
+from holotrain.train.dcpwriter import Writer, write_error
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 TRAINER_STATE = "trainer_state.json"
@@ -149,6 +155,27 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+class NotWritten(Exception):
+    """A checkpoint that could not be written (no room on its disk, or its write failed midway): nothing of it is
+    left behind, every rank raises it with the same verdict, and the message says why in one line."""
+
+
+# What a checkpoint holds besides its tensors' bytes, for the check that the disk has room: DCP's framing of each
+# tensor in its files and its metadata entry (under 2 KiB measured), and the small files (metadata, data position).
+_TENSOR_OVERHEAD = 4096
+_FILES_OVERHEAD = 256 << 10
+
+
+def checkpoint_bytes(n_params: int, adamw_moments: str = "fp32", delayed_update: bool = False) -> int:
+    """About how many bytes one checkpoint of a model with `n_params` parameters takes on disk (all ranks together):
+    the fp32 weights (the offload engine saves its fp32 masters in their place), AdamW's two moments (fp32, or bf16
+    with memory.adamw_moments = "bf16"), the bf16 working weights that memory.offload_delayed_update saves too,
+    and a fixed allowance for the metadata, RNG and data position. Not counted: each tensor's framing (about 2 KiB;
+    the room check before a save counts it)."""
+    moment = 2 if adamw_moments == "bf16" else 4
+    return n_params * (4 + 2 * moment + (2 if delayed_update else 0)) + _FILES_OVERHEAD
+
+
 def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict, keep: int,
                      extra_files: dict[str, str] | None = None, group: dist.ProcessGroup | None = None,
                      threads: int = 1) -> Path:
@@ -156,7 +183,8 @@ def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict,
     or a host snapshot of them) as RUN_DIR/checkpoints/step-N atomically. `extra_files` (name -> text, given on
     rank 0) are written into the checkpoint before it is published; then a manifest of every file's size, then
     trainer_state.json, whose presence marks a complete checkpoint. `threads`: files written at once by this rank.
-    Returns the final checkpoint directory."""
+    Returns the final checkpoint directory; NotWritten (on every rank) when there is no room for it even after
+    removing older checkpoints, or when writing it failed."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -164,21 +192,35 @@ def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict,
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)
     _barrier(group)
-    _refuse_if_no_room(root, state, group)
-    with _quiet_single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=threads), process_group=group)
-    fault_point(step)
+    short = _make_room(Path(run_dir), step, state, group)
+    if short is not None:
+        raise NotWritten(short)
+    error = None
+    try:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=Writer(tmp, thread_count=threads), process_group=group)
+        fault_point(step)
+        if rank == 0:
+            for name, text in (extra_files or {}).items():
+                _write_synced(tmp / name, text)
+            sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            _write_synced(tmp / MANIFEST, json.dumps(sizes))
+            _write_synced(tmp / TRAINER_STATE, json.dumps(trainer_state))  # last: marks the checkpoint complete
+            _fsync_dir(tmp)
+    except (OSError, CheckpointException) as e:
+        error = write_error(e)
+        if error is None:
+            raise
+    failed = _any_rank(error is not None, group)  # also the barrier: every rank's part is written
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left to be mistaken for one
+        _barrier(group)
+        why = (error.strerror or str(error)) if error is not None else "on another rank"
+        raise NotWritten(f"writing it into {root} failed ({why}); its partial files were removed")
     if rank == 0:
-        for name, text in (extra_files or {}).items():
-            _write_synced(tmp / name, text)
-        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        _write_synced(tmp / MANIFEST, json.dumps(sizes))
-        _write_synced(tmp / TRAINER_STATE, json.dumps(trainer_state))  # last: marks the checkpoint complete
-        _fsync_dir(tmp)
-    _barrier(group)
-    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step is replaced only by a complete one
         os.rename(tmp, final)
         _fsync_dir(root)
         for _, old in list_checkpoints(run_dir)[:-keep]:
@@ -189,9 +231,18 @@ def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict,
     return final
 
 
-def _refuse_if_no_room(root: Path, state: dict, group: dist.ProcessGroup | None) -> None:
-    """Collective. Stops before writing a checkpoint its disk cannot hold (the ranks of a node share it), so that a
-    full disk, or a RAM-backed one filling the host's memory, never takes the run down halfway through a write."""
+def _any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """Collective: whether `flag` holds on any rank of `group`."""
+    value = torch.tensor([int(flag)])
+    if _is_dist():
+        if dist.get_backend(group) == "nccl":
+            value = value.cuda()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def _state_bytes(state: dict) -> int:
+    """This rank's bytes of `state` on disk: its tensors' (local shards') and their framing."""
     def tensors(tree):
         for value in tree.values():
             if isinstance(value, dict):
@@ -199,17 +250,59 @@ def _refuse_if_no_room(root: Path, state: dict, group: dist.ProcessGroup | None)
             elif isinstance(value, torch.Tensor):
                 yield value.to_local() if hasattr(value, "to_local") else value
 
-    need = sum(t.numel() * t.element_size() for t in tensors(state)) * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    free = shutil.disk_usage(root).free
-    short = torch.tensor([int(need > free)])
-    if _is_dist():
-        if dist.get_backend(group) == "nccl":
-            short = short.cuda()
-        dist.all_reduce(short, op=dist.ReduceOp.MAX, group=group)
-    if short.item():
-        raise ConfigError(f"checkpoint: {root} has {free / 1e9:.1f} GB free; a checkpoint of this run needs "
-                          f"{need / 1e9:.1f} GB (on some rank, if this one has room): point job.run_dir at a larger "
-                          "disk, or set checkpoint.every = 0 and checkpoint.save_final = false")
+    return sum(t.numel() * t.element_size() + _TENSOR_OVERHEAD for t in tensors(state))
+
+
+def _make_room(run_dir: Path, step: int, state: dict, group: dist.ProcessGroup | None) -> str | None:
+    """Collective. Makes room for the checkpoint of `step` before anything of it is written (the ranks of a node
+    share the disk), so that a full disk, or a RAM-backed one filling the host's memory, is found before a write
+    and not halfway through it. While any rank finds too little room, rank 0 removes what is least worth keeping
+    (leftovers of unfinished saves, damaged checkpoints, then the oldest; never the newest intact checkpoint).
+    Returns None when there is room, else why not in one line."""
+    root = run_dir / "checkpoints"
+    rank = dist.get_rank(group) if _is_dist() else 0
+    need = (_state_bytes(state) + _FILES_OVERHEAD) * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    while True:
+        free = shutil.disk_usage(root).free
+        if not _any_rank(need > free, group):
+            return None
+        removed = None
+        if rank == 0:
+            victim = _least_worth_keeping(run_dir)
+            if victim is not None:
+                shutil.rmtree(victim, ignore_errors=True)
+                if not victim.exists():
+                    removed = victim
+                    print(f"holotrain: checkpoint: removed {victim} to make room for step {step} ({root} had "
+                          f"{_size(free)} free, {_size(need)} is needed)", flush=True)
+        if not _any_rank(removed is not None, group):
+            where = " (on some rank, if this one has more)" if _is_dist() and dist.get_world_size(group) > 1 else ""
+            return (f"{root} has {_size(free)} free{where}, a checkpoint of this run needs {_size(need)}, and no "
+                    "older checkpoint is left to remove")
+
+
+def _least_worth_keeping(run_dir: Path) -> Path | None:
+    """What a save that finds no room removes first: a leftover of a save that did not finish, then a damaged
+    checkpoint, then the oldest intact one; never the newest intact checkpoint. None when nothing is left."""
+    root = run_dir / "checkpoints"
+    leftovers = sorted(root.glob(".tmp-step-*"))
+    if leftovers:
+        return leftovers[0]
+    keep = newest_intact(run_dir)
+    others = [(damage(path) is None, step, path) for step, path in list_checkpoints(run_dir) if path != keep]
+    return min(others)[2] if others else None
+
+
+def newest_intact(run_dir: Path) -> Path | None:
+    """The newest checkpoint of the run whose files are all there, by its manifest (see damage)."""
+    for _, path in reversed(list_checkpoints(run_dir)):
+        if damage(path) is None:
+            return path
+    return None
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
 
 
 def save_checkpoint(run_dir: Path, step: int, optimizer, trainer_state: dict, keep: int,
@@ -290,20 +383,58 @@ def agreed(reason: str | None) -> str | None:
     return reason if reason is not None or not bad.item() else "damaged on another rank"
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose files are readable but whose tensors are not this job's (another model or setting): the
+    message names the first differing entry."""
+
+
 def load_checkpoint(path: Path, optimizer) -> dict:
-    """Collective. Restores model, optimizer and RNG in place; returns the trainer state."""
+    """Collective. Restores model, optimizer and RNG in place; returns the trainer state. CheckpointMismatch when
+    the checkpoint lacks an entry of this job's state or holds it in another shape; any other error when it cannot
+    be read."""
     state = training_state(optimizer)
     quiet = _DropLoaderTracebacks()
     logging.getLogger().addFilter(quiet)
+    reader = SafeFileSystemReader(path)
     try:
-        reader = SafeFileSystemReader(path)
         _drop_unsaved_optional(state, optimizer, reader)
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=path, storage_reader=reader)
+        apply_loaded(state, optimizer)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - told apart below, then raised again
+        difference = _first_difference(state, reader)
+        if difference is not None:
+            raise CheckpointMismatch(difference) from error
+        raise
     finally:
         logging.getLogger().removeFilter(quiet)
-    apply_loaded(state, optimizer)
     return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def _first_difference(state: dict, reader: SafeFileSystemReader) -> str | None:
+    """The first tensor of `state` that the checkpoint's metadata lacks or has in another shape; None when every
+    one matches, or when the metadata does not read (then the checkpoint is damaged, not another job's)."""
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable metadata is damage, which the caller reports
+        return None
+
+    def entries(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from entries(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    for key, value in entries(state):
+        if not isinstance(value, torch.Tensor):
+            continue  # other values are saved whole (DCP's bytes), and how DCP keys them varies
+        if key not in saved:
+            return f"{key} is not in the checkpoint"
+        shape = getattr(saved[key], "size", None)
+        if shape is not None and tuple(shape) != tuple(value.shape):
+            return f"{key} is {list(shape)} there, {list(value.shape)} here"
+    return None
 
 
 def _drop_unsaved_optional(state: dict, optimizer, reader) -> None:

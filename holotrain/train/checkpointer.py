@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from holotrain.errors import ConfigError
+from holotrain.errors import ConfigError, SaveFailed
 from holotrain.memory.offload.host import pinned_empty, unregister
 from holotrain.memory.plan import HOST_USABLE, host_available_bytes
 from holotrain.train.background import BackgroundWriter
@@ -27,12 +27,15 @@ from holotrain.train.checkpoint import (
     MANIFEST,
     RUN_ID,
     TRAINER_STATE,
+    CheckpointMismatch,
+    NotWritten,
     agreed,
     damage,
     list_checkpoints,
-    prepare_hold,
     load_checkpoint,
     memory_root,
+    newest_intact,
+    prepare_hold,
     run_id,
     training_state,
     why_unusable,
@@ -44,6 +47,22 @@ from holotrain.train.snapshots import RamSnapshots, Restorer, discard, forget_ne
 if TYPE_CHECKING:
     from holotrain.config import CheckpointConfig
     from holotrain.parallel import DistEnv
+
+CONFIG = "config.toml"  # the run's config, in the run directory and in each checkpoint
+
+# What loading a candidate came to, agreed on by every rank (the worst wins).
+_LOADED, _UNUSABLE, _MISMATCH = 0, 1, 2
+
+
+def _worst(verdict: int) -> int:
+    """Collective over the default group: the worst verdict of any rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return verdict
+    value = torch.tensor([verdict], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 # What a save costs training, as the planner predicts it. The device-resident state (fp32 weights and moments, 12
@@ -90,6 +109,8 @@ class Checkpointer(BackgroundWriter):
         self.holds = False  # the optimizer can hold its host-resident state for the writer
         self._copy_fits = True  # this rank's host can hold the copy (what all ranks agree on is read at a save)
         self._agreed_fits: bool | None = None
+        self.saves = 0  # saves started
+        self.unwritten: dict[int, str] = {}  # step -> why its checkpoint was not written (read after close())
 
     def prepare(self, optimizer) -> None:
         """Allocates the host buffers in the background, once the optimizer's state exists (after the first step):
@@ -132,10 +153,10 @@ class Checkpointer(BackgroundWriter):
         if self._allocating is not None:
             self._allocating.join()
         self.wait()
+        self.saves += 1
         if not self._in_background():
-            write_checkpoint(self.run_dir, step, training_state(optimizer), trainer_state, self.keep, extra_files,
-                             threads=self.threads)
-            self._written(time.perf_counter() - t0)
+            if self._written_or_told(step, training_state(optimizer), trainer_state, extra_files, None):
+                self._written(time.perf_counter() - t0)
         else:
             held = optimizer.hold() if self.holds else None
             state = training_state(optimizer, held)
@@ -148,11 +169,25 @@ class Checkpointer(BackgroundWriter):
             self.snapshot.ready()
             if held is not None:
                 held.ready()
-            write_checkpoint(self.run_dir, step, state, trainer_state, self.keep, extra_files, self.group,
-                             self.threads)
+            self._written_or_told(step, state, trainer_state, extra_files, self.group)
         finally:
             if held is not None:
                 held.release()
+
+    def _written_or_told(self, step: int, state: dict, trainer_state: dict, extra_files: dict[str, str] | None,
+                         group) -> bool:
+        """Collective. Writes the checkpoint; one that cannot be written (a full disk) is told in one line and
+        training goes on. Whether it was written."""
+        try:
+            write_checkpoint(self.run_dir, step, state, trainer_state, self.keep, extra_files, group, self.threads)
+            return True
+        except NotWritten as e:
+            self.unwritten[step] = str(e)
+            if self.env.is_main:
+                kept = newest_intact(self.run_dir)
+                print(f"holotrain: warning: no checkpoint at step {step}: {e}; training goes on (newest intact "
+                      f"checkpoint: {kept.name if kept is not None else 'none'})", flush=True)
+            return False
 
     def close(self) -> None:
         if self._allocating is not None:
@@ -206,7 +241,9 @@ class HostSnapshot:
 
 class Checkpoints:
     """The run's disk checkpoints (checkpoint.every) and in-memory snapshots (checkpoint.memory_every), as the
-    training loop uses them: resuming from the newest, which is due at a step, saving it, and their metrics."""
+    training loop uses them: resuming from the newest, which is due at a step, saving it, their metrics, and at the
+    end (finish) naming the newest intact checkpoint. A disk checkpoint that cannot be written (a full disk) is one
+    warning line and training goes on; only the final one's loss ends the run with an error (SaveFailed)."""
 
     def __init__(self, section: CheckpointConfig, env: DistEnv, run_dir: Path, total_steps: int):
         self.section, self.env, self.run_dir, self.total_steps = section, env, Path(run_dir), total_steps
@@ -217,40 +254,59 @@ class Checkpoints:
     def restore(self, optimizer) -> tuple[str, dict, dict[str, str]] | None:
         """Collective. Loads the newest intact state of the run: an in-memory snapshot or a disk checkpoint (the
         snapshot first at the same step: it loads faster). One that is damaged on any rank (a file missing or
-        truncated, a checksum mismatch, metadata that does not load) is reported in one line and the next newest
-        is tried. Returns (what was loaded, trainer state, the files saved with it), or None when the run has
-        neither; ConfigError when none is intact."""
+        truncated, metadata that does not load) or a snapshot that cannot be used (a checksum mismatch, another
+        layout) is reported in one line and the next newest is tried. Returns (what was loaded, trainer state, the
+        files saved with it), or None when the run has neither. ConfigError when a disk checkpoint is intact but
+        not this job's (another model or setting: the older ones are the same run's), or when none is intact."""
         group = dist.new_group(backend="gloo") if self.env.world_size > 1 else None
         try:
             restorer = Restorer(self.run_dir, self.env, group)
             ram = memory_root(self.run_dir)
             candidates = sorted([(step, 1, path) for step, path in list_checkpoints(self.run_dir)]
                                 + [(step, 2, None) for step in restorer.steps], reverse=True)
-            failed = []
+            failed, damaged = [], []
             for step, _, path in candidates:
                 where = f"checkpoint {path}" if path is not None else f"the in-memory snapshot in {ram}"
                 reason = agreed(damage(path)) if path is not None else None
                 if reason is None:
+                    verdict = _LOADED
                     try:
                         loaded = self._load(path, step, restorer, optimizer)
-                        reason = agreed(None)
+                    except CheckpointMismatch as e:
+                        verdict, reason = _MISMATCH, str(e)
                     except (Exception, CheckpointException) as e:  # noqa: BLE001 - failing to read it makes it unusable
-                        reason = agreed(why_unusable(e))
-                    if reason is None:
+                        verdict, reason = _UNUSABLE, why_unusable(e)
+                    agreed_verdict = _worst(verdict)  # every rank goes the same way
+                    if agreed_verdict != verdict:
+                        verdict, reason = agreed_verdict, "found on another rank"
+                    if verdict == _MISMATCH:
+                        raise ConfigError(self._mismatch(path, reason))
+                    if verdict == _LOADED:
                         if self.env.is_main:
                             print(f"holotrain: resuming from {where} (step {step})", flush=True)
                         forget_newer(self.run_dir, self.env.rank, step)
                         return (where, *loaded)
                 failed.append(f"{where} ({reason})")
+                if path is not None:
+                    damaged.append(str(path))
                 if self.env.is_main:
-                    print(f"holotrain: warning: {where} is damaged ({reason}); trying the previous one", flush=True)
+                    state = "is damaged" if path is not None else "cannot be used"
+                    print(f"holotrain: warning: {where} {state} ({reason}); trying the previous one", flush=True)
         finally:
             if group is not None:
                 dist.destroy_process_group(group)
         if failed:
-            raise ConfigError(f"no intact checkpoint of {self.run_dir}: {'; '.join(failed)}. Remove "
-                              f"{self.run_dir / 'checkpoints'} to start over, or choose another job.run_dir")
+            way_out = (f"remove the damaged checkpoints ({', '.join(damaged)}) to start over, or choose another "
+                       "job.run_dir" if damaged else "choose another job.run_dir")
+            raise ConfigError(f"no intact checkpoint of {self.run_dir}: {'; '.join(failed)}. To go on: {way_out}")
         return None
+
+    def _mismatch(self, path: Path, difference: str) -> str:
+        """One line for a disk checkpoint that is intact but holds another job's tensors."""
+        config = path / CONFIG if (path / CONFIG).is_file() else self.run_dir / CONFIG
+        return (f"checkpoint {path} does not match this job ({difference}): {self.run_dir} was trained with another "
+                f"model or setting. Resume it with the config it was trained with ({config}), or give this job "
+                "another job.run_dir")
 
     @staticmethod
     def _load(path: Path | None, step: int, ram: Restorer, optimizer) -> tuple[dict, dict[str, str]]:
@@ -277,6 +333,10 @@ class Checkpoints:
             self.memory.prepare(optimizer)
 
     def save(self, which, done: int, optimizer, extra_files: dict[str, str] | None) -> None:
+        if which is self.disk and extra_files is not None and (self.run_dir / CONFIG).is_file():
+            # The config the checkpoint was trained with travels with it: a later job that does not match it is
+            # pointed there.
+            extra_files = {**extra_files, CONFIG: (self.run_dir / CONFIG).read_text()}
         which.save(done, optimizer, {"step": done, "world_size": self.env.world_size, RUN_ID: self.run_id},
                    extra_files)
 
@@ -294,9 +354,47 @@ class Checkpoints:
         for c in self._all():
             c.close()
 
+    def wait_saved(self, step: int, timeout_s: float) -> tuple[Path | None, bool]:
+        """After an interrupt's save of `step`: waits up to `timeout_s` for its write. Returns (the checkpoint, if it
+        was written intact; else None, True when the wait ended in time)."""
+        if not self.disk.join(timeout_s):
+            return None, False
+        try:
+            self.disk.wait()
+        except RuntimeError as e:  # its write failed: said in one line; the run still stops
+            if self.env.is_main:
+                print(f"holotrain: warning: the checkpoint of step {step} could not be written ({e.__cause__})",
+                      flush=True)
+            return None, True
+        path = self.run_dir / "checkpoints" / f"step-{step}"
+        return (path if path.is_dir() and damage(path) is None else None), True
+
+    def newest_intact(self) -> Path | None:
+        """The run's newest disk checkpoint whose files are all there (by its manifest), or None."""
+        return newest_intact(self.run_dir)
+
+    def final_unwritten(self) -> str | None:
+        """After close(): why the final checkpoint (checkpoint.save_final) could not be written, or None."""
+        return self.disk.unwritten.get(self.total_steps) if self.section.save_final else None
+
+    def finish(self) -> None:
+        """After close(), once the run completed: names the newest intact checkpoint in one line, or raises
+        SaveFailed (one line, naming it) when the final checkpoint could not be written."""
+        newest = self.newest_intact()
+        named = f"{newest} (step {newest.name.removeprefix('step-')})" if newest is not None else "none"
+        why = self.final_unwritten()
+        if why is not None:
+            kept = (f"The newest intact checkpoint is {named}; make room and run the same command again to go on "
+                    "from it" if newest is not None else "No checkpoint of this run is intact")
+            raise SaveFailed(f"the final checkpoint (step {self.total_steps}) could not be written: {why}. {kept}")
+        if self.env.is_main and (newest is not None or self.disk.saves):
+            print(f"holotrain: newest intact checkpoint: {named}", flush=True)
+
     def discard_memory(self) -> None:
-        """After the run completed: its in-memory snapshots are no longer needed (each rank removes its own)."""
-        discard(self.run_dir, self.env.rank)
+        """After the run completed: its in-memory snapshots are no longer needed (each rank removes its own), unless
+        the final checkpoint could not be written to disk: then they may hold the newest state there is."""
+        if self.final_unwritten() is None:
+            discard(self.run_dir, self.env.rank)
 
     def _all(self) -> list:
         return [self.disk] + ([self.memory] if self.memory is not None else [])

@@ -13,12 +13,15 @@ import torch.distributed as dist
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
 from holotrain.memory.plan import choose_offload_ratio, plan_memory
-from holotrain.model import Llama, LlamaArgs
+from holotrain.model import Llama, LlamaArgs, num_params
 from holotrain.parallel import DistEnv
 from holotrain.precision.lever import fp8_capable, fp8_shapes
 from holotrain.precision.probe import choose as choose_fp8
 from holotrain.train.checkpoint import list_checkpoints
+from holotrain.train.preflight import check_data, check_room, check_run_dir_owner, claim_run_dir
+from holotrain.train.rundir import RunDirLock
 from holotrain.train.snapshots import any_local
+from holotrain.train.step import lr_at
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,12 @@ class Job:
     tokenizer: object  # tokenizers.Tokenizer of the run
     tokenizer_path: Path  # its tokenizer.json in the cache
     resume: bool  # the run continues from a checkpoint or in-memory snapshot of it
+    lock: RunDirLock | None = None  # the run directory's, held by rank 0 until the run ends (release())
+    saved: dict | None = None  # the run directory's config.toml before this session (rank 0; None: a new run)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 def model_args(cfg: Config) -> LlamaArgs:
@@ -99,10 +108,22 @@ def resolve_pipeline(cfg: Config, env: DistEnv) -> None:
 
 
 def resolve_job(cfg: Config, env: DistEnv) -> Job:
-    """Resolves `cfg` in place for this run and freezes it. Collective: every rank calls it."""
+    """Resolves `cfg` in place for this run and freezes it, after checking every input (train/preflight.py) and
+    claiming the run directory: the returned Job holds its lock (Job.release). Collective: every rank calls it."""
+    resolve(cfg)  # everything but the vocabulary can be checked before the sources are read
+    lock = claim_run_dir(cfg, env)  # before anything is read or written: a second process is refused at once
+    try:
+        return _resolve_locked(cfg, env, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _resolve_locked(cfg: Config, env: DistEnv, lock: RunDirLock | None) -> Job:
     from holotrain.data.corpus import cache_dir, prepare_tokenizer, stdlib_sources
 
-    resolve(cfg)  # everything but the vocabulary can be checked before the sources are read
+    check_data(cfg, env)
     d = cfg.data
     # Rank 0 builds the embedded corpus and the tokenizer cache; the others then find them ready.
     for turn in ("first", "rest"):
@@ -115,6 +136,9 @@ def resolve_job(cfg: Config, env: DistEnv) -> Job:
         if turn == "first" and env.world_size > 1:
             dist.barrier()
     resolve(cfg, tokenizer_vocab=tokenizer.get_vocab_size())
+    saved = check_run_dir_owner(cfg, env, tokenizer_path)
+    with torch.device("meta"):
+        check_room(cfg, env, num_params(Llama(model_args(cfg))))
     resolve_pipeline(cfg, env)
     micro, accum = batch_layout(cfg, data_parallel_size(cfg, env))
 
@@ -130,7 +154,24 @@ def resolve_job(cfg: Config, env: DistEnv) -> Job:
             "job.run_dir"
         )
     resolve_levers(cfg, env, micro, accum, cfg.run_dir if resume else None)
-    return Job(cfg.freeze(), micro, accum, tokenizer, tokenizer_path, resume)
+    return Job(cfg.freeze(), micro, accum, tokenizer, tokenizer_path, resume, lock, saved)
+
+
+def say_schedule_change(saved: dict | None, cfg: Config, step: int) -> None:
+    """On resume: the learning-rate schedule is always the current config's (training.steps, warmup_steps, lr,
+    min_lr_ratio), so raising training.steps re-stretches the cosine from the resumed step on. Where the schedule
+    changed, one line gives the old and the new learning rate at the resumed step."""
+    if not saved or "training" not in saved:
+        return
+    keys = ("steps", "warmup_steps", "lr", "min_lr_ratio")
+    old = dataclasses.replace(cfg.training, **{k: saved["training"][k] for k in keys if k in saved["training"]})
+    changed = [f"training.{k} {getattr(old, k):g} -> {getattr(cfg.training, k):g}" for k in keys
+               if getattr(old, k) != getattr(cfg.training, k)]
+    if changed:
+        before = lr_at(step, dataclasses.replace(cfg, training=old))
+        print(f"holotrain: the learning-rate schedule changed on resume ({', '.join(changed)}): at step {step} the "
+              f"learning rate is {lr_at(step, cfg):.3g} (it was {before:.3g} under the run's previous schedule)",
+              flush=True)
 
 
 def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_run: Path | None = None) -> Config:

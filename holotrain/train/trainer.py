@@ -4,12 +4,10 @@ data (data.lever), parallel (parallel.lever), memory (memory), optimizer (optim,
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
-import signal
-import threading
+import sys
 import time
 import uuid
 
@@ -20,7 +18,7 @@ from holotrain.config import Config, batch_layout
 from holotrain.data.corpus import TOKENIZER_FILES
 from holotrain.data.lever import Layout
 from holotrain.data.lever import build as build_data
-from holotrain.errors import ConfigError, TrainingStopped
+from holotrain.errors import ConfigError, Interrupted, SaveFailed, TrainingStopped
 from holotrain.hw import peak_bf16_flops
 from holotrain.hw.lever import build as build_hardware
 from holotrain.memory import Memory
@@ -39,11 +37,14 @@ from holotrain.parallel.pp_timeline import log_step as pipeline_bubble
 from holotrain.profile.lever import build as build_profiler
 from holotrain.train.checkpoint import RUN_ID, latest_checkpoint, load_model_weights
 from holotrain.train.checkpointer import Checkpoints
+from holotrain.train.interrupts import StopSignals
 from holotrain.train.resolve import (
+    Job,
     compute_dtype_for,
     data_parallel_size,
     model_args,
     resolve_job,
+    say_schedule_change,
     with_checkpointing,
 )
 from holotrain.train.step import TrainStep, lr_at
@@ -169,45 +170,39 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, env: DistEnv, dtype: to
 
 
 def train(cfg: Config) -> list[dict]:
-    """Runs (or resumes) the job described by cfg. Returns the rows logged by this call (rank 0)."""
+    """Runs (or resumes) the job described by cfg. Returns the rows logged by this call (rank 0). Raises
+    errors.Interrupted when SIGINT or SIGTERM stopped it (after saving a checkpoint of the step it stopped at)."""
     env = init_distributed(cfg.job.device)
+    rows, stopped = [], None
     try:
-        with _sigterm_as_exit():
-            return _train(cfg, env)
+        try:
+            with StopSignals().installed() as stop:
+                rows = _train(cfg, env, stop)
+        except (ConfigError, Interrupted, SaveFailed, TrainingStopped) as e:
+            # Said in one line by the CLI: dropping its traceback (and any it was raised beside) lets the frames that
+            # hold the model and its process groups go before the teardown.
+            stopped = e.with_traceback(None)
+            stopped.__context__ = stopped.__cause__ = None
     finally:
         destroy_distributed()
+    if stopped is not None:
+        raise stopped
+    return rows
 
 
-class _Terminated(SystemExit):
-    pass
-
-
-def _sigterm_as_exit():
-    """SIGTERM (torchrun stopping its workers, a scheduler's preemption) unwinds the run like an error, so that a
-    checkpoint being written in the background is finished and the data plane is stopped. Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        return contextlib.nullcontext()
-
-    def handler(signum, frame):
-        raise _Terminated(128 + signum)
-
-    @contextlib.contextmanager
-    def installed():
-        previous = signal.signal(signal.SIGTERM, handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    return installed()
-
-
-def _train(cfg: Config, env: DistEnv) -> list[dict]:
+def _train(cfg: Config, env: DistEnv, stop: StopSignals) -> list[dict]:
     # Before resolve_job: the allocator's settings must precede the first CUDA allocation, and an "auto"
     # memory.offload_ratio is planned within the GPU memory cap.
     if env.device.type == "cuda":
         _set_up_gpu_memory(cfg, env)
-    job = resolve_job(cfg, env)
+    job = resolve_job(cfg, env)  # holds the run directory's lock from here on
+    try:
+        return _train_locked(job, env, stop)
+    finally:
+        job.release()
+
+
+def _train_locked(job: Job, env: DistEnv, stop: StopSignals) -> list[dict]:
     cfg, run_dir = job.cfg, job.cfg.run_dir
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -237,6 +232,8 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
             _, trainer_state, files = resumed
             start_step = trainer_state["step"]
             data_state = json.loads(files[DATA_STATE])
+            if env.is_main:
+                say_schedule_change(job.saved, cfg, start_step)
         if start_step >= cfg.training.steps:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
@@ -246,7 +243,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
         data = build_data(cfg.data, env, run_dir, job.tokenizer, layout, data_state, start_step)
         try:
             rows = _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, job.micro, job.accum,
-                         dtype)
+                         dtype, stop)
         finally:
             checkpointer.close()  # the last save's write completes before the data plane and the optimizer go
             data.close()
@@ -259,6 +256,7 @@ def _train(cfg: Config, env: DistEnv) -> list[dict]:
     report = profiler.write_report()
     if report is not None:
         print(f"holotrain: report {report}")
+    checkpointer.finish()  # names the newest intact checkpoint; SaveFailed if the final one could not be written
     return rows
 
 
@@ -289,7 +287,8 @@ def _set_up_gpu_memory(cfg: Config, env: DistEnv) -> None:
         torch.cuda.set_per_process_memory_fraction(gpu_cap_bytes(total, cap_gb) / total, env.device)
 
 
-def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, micro, accum, dtype) -> list[dict]:
+def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, micro, accum, dtype,
+          stop: StopSignals) -> list[dict]:
     logger = profiler.logger(cfg.training.steps, start_step)
     if env.is_main:
         print(
@@ -301,7 +300,7 @@ def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, 
     hardware = build_hardware(cfg.hw, env, cfg.run_dir)
     try:
         hardware.start()
-        return _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum)
+        return _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum, stop)
     finally:
         hardware.close()
         if logger is not None:
@@ -325,7 +324,8 @@ def _global_mean(value: torch.Tensor, env: DistEnv) -> float:
     return value.item()
 
 
-def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum) -> list[dict]:
+def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum,
+           stop: StopSignals) -> list[dict]:
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
     args = model_args(cfg)
     # FLOPs for MFU: the linear layers' per token, and attention's from the documents the rows really hold (packed
@@ -358,6 +358,7 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
     goodput = profiler.goodput
     goodput.steps_begin()
     first_interval = True
+    stop.start_loop(env.world_size)
 
     for step in range(start_step, cfg.training.steps):
         done = step + 1
@@ -452,15 +453,25 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
             interval_start = time.perf_counter()
 
         which = checkpointer.due(done)  # a disk checkpoint, an in-memory snapshot, or none
+        signum = stop.requested()
+        if signum and which is not checkpointer.disk:
+            which = checkpointer.disk  # an interrupt's checkpoint: of this step, on disk
         if which is not None:
             if int(nonfinite_run.item()):
                 # The weights are those of the last good step; a checkpoint now would only push good ones out.
                 if env.is_main:
                     print(f"holotrain: warning: no checkpoint at step {done}: the last steps were skipped as "
                           "non-finite", flush=True)
-                continue
-            data_state = data.state(done)
-            checkpointer.save(which, done, optimizer,
-                              extra_files={DATA_STATE: json.dumps(data_state)} if env.is_main else None)
+            else:
+                data_state = data.state(done)
+                checkpointer.save(which, done, optimizer,
+                                  extra_files={DATA_STATE: json.dumps(data_state)} if env.is_main else None)
+        if signum:
+            saved, in_time = checkpointer.wait_saved(done, cfg.checkpoint.interrupt_grace_s)
+            if not in_time:  # the writer would hold the process past its grace period: leave without it
+                print(f"holotrain: the checkpoint of step {done} was not written within checkpoint.interrupt_grace_s "
+                      f"= {cfg.checkpoint.interrupt_grace_s:g} s; exiting without it", file=sys.stderr, flush=True)
+                os._exit(128 + signum)
+            raise Interrupted(signum, done, saved)
     goodput.steps_end()
     return rows

@@ -1,0 +1,69 @@
+"""Interrupts that save. The first SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption, torchrun stopping its
+workers) asks the loop to stop after the step under way; the trainer then saves a checkpoint of that step and
+exits with 128 + the signal's number. A second signal exits at once. Before the first step there is nothing to save,
+so a signal then unwinds the start-up as an exit.
+
+With several ranks, each may see its signal at a different step; the ranks agree on the step to stop at with one
+small all-reduce per step on a gloo group of its own (host memory, no GPU synchronization)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    def __init__(self):
+        self.signum = 0  # the first signal seen, 0 while none
+        self.deferring = False  # in the step loop and after it: a signal waits for the end of the step
+        self.group = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The handlers, in the main thread only (signal handlers cannot be set elsewhere)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.group is not None:
+                dist.destroy_process_group(self.group)
+                self.group = None
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum:
+            # os.write: a print from a handler can land inside another print of the main thread.
+            os.write(2, f"holotrain: {name} again: exiting at once\n".encode())
+            os._exit(128 + signum)
+        self.signum = signum
+        if not self.deferring:
+            os.write(2, f"holotrain: {name}: stopped before the first step; nothing to save\n".encode())
+            raise SystemExit(128 + signum)
+        os.write(2, f"holotrain: {name}: finishing the step under way and saving a checkpoint "
+                    f"({name} again exits at once)\n".encode())
+
+    def start_loop(self, world_size: int) -> None:
+        """From here on a signal waits for the end of the step. Collective: makes the ranks' agreement group."""
+        if world_size > 1 and self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        self.deferring = True
+
+    def requested(self) -> int:
+        """The signal every rank stops for (the largest any rank saw), or 0. Collective with several ranks."""
+        if self.group is None:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item())
