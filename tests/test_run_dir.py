@@ -130,3 +130,18 @@ def test_a_missing_data_path_with_init_from_is_one_line_in_seconds(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and str(tmp_path / "data" / "sfft.jsonl") in lines[0], proc.stderr
     assert not (tmp_path / "run" / "config.toml").exists()
+
+
+def test_a_disk_without_room_for_one_checkpoint_is_refused_before_the_first_step(tmp_path, monkeypatch):
+    """The run's older checkpoints count as room (a save removes them to make it); the disk's own free space is
+    faked here, as a CI machine's cannot be made small without a mount."""
+    from collections import namedtuple
+
+    from holotrain.train import preflight
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**5, 10**5))
+    proc = run_cli_here("train", *tiny_args(tmp_path / "run"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "has 0.1 MB free, and one checkpoint of this job takes" in proc.stderr
+    assert not (tmp_path / "run" / "config.toml").exists()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from holotrain.config import Config
 from holotrain.errors import ConfigError
 from holotrain.parallel import DistEnv
-from holotrain.train.checkpoint import checkpoint_bytes
+from holotrain.train.checkpoint import checkpoint_bytes, list_checkpoints
 from holotrain.train.rundir import RunDirLock, check_ownership, check_writable
 
 
@@ -70,11 +70,21 @@ def check_room(cfg: Config, env: DistEnv, n_params: int) -> None:
 
     def room():
         need = checkpoint_bytes(n_params, cfg.memory.adamw_moments, cfg.memory.offload_delayed_update)
-        free = shutil.disk_usage(cfg.run_dir).free
+        # A save makes room by removing the run's older checkpoints (all but the newest intact one): they count.
+        older = [path for _, path in list_checkpoints(cfg.run_dir)[:-1]]
+        older += list((Path(cfg.run_dir) / "checkpoints").glob(".tmp-step-*"))
+        free = shutil.disk_usage(cfg.run_dir).free + sum(_bytes(path) for path in older)
         if free < need:
-            raise ConfigError(f"job.run_dir: {cfg.run_dir} has {free / 1e9:.2f} GB free, and one checkpoint of this "
-                              f"job takes {need / 1e9:.2f} GB: point job.run_dir at a larger disk, or set "
-                              "checkpoint.every = 0 and checkpoint.save_final = false")
+            raise ConfigError(f"job.run_dir: {cfg.run_dir} has {_size(free)} free, and one checkpoint of this job "
+                              f"takes {_size(need)}: point job.run_dir at a larger disk, or set checkpoint.every = 0 "
+                              "and checkpoint.save_final = false")
 
     agree(env, room)
 
+
+def _bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
