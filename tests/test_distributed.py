@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -62,6 +63,45 @@ def test_two_process_resume_continues_exactly(tmp_path):
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-2", "step-4"]
     torchrun(2, "train", *tiny_args(resumed, **common))
     assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(full)]
+
+    # SIGTERM to rank 1 alone (held 0.5 s a step, so that the run is mid-way): both ranks stop at the same step, save
+    # it, and exit 143 with one line each; the same command then resumes to the same curve.
+    stopped = tmp_path / "stopped"
+    args = ["train", *tiny_args(stopped, **common)]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "holotrain.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HOLOTRAIN_SLOW_RANK": "1:forward:0.5"})
+    rank1 = _worker_of_rank(proc.pid, 1, stopped / "metrics.jsonl", rows=2)
+    os.kill(rank1, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    lines = {x for x in err.splitlines() if "holotrain: SIGTERM: stopped after step" in x}  # a line from each rank
+    assert len(lines) == 1, err[-3000:]  # ... naming the same step
+    line = lines.pop()
+    step = int(line.split("after step ")[1].split(",")[0])
+    assert f"saved {stopped / 'checkpoints' / f'step-{step}'}" in line and "the same torchrun command" in line
+    assert step < 8 and str(REPO / "holotrain") not in err  # torchrun prints its own traceback, none of ours
+    torchrun(2, *args)
+    assert [r["loss"] for r in read_metrics(stopped)] == [r["loss"] for r in read_metrics(full)]
+
+
+def _worker_of_rank(launcher: int, rank: int, metrics, rows: int) -> int:
+    """The pid of torchrun's worker of `rank`, once rank 0 has logged `rows` steps."""
+    import time
+
+    import psutil
+
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= rows):
+        time.sleep(0.01)
+    for child in psutil.Process(launcher).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "holotrain.cli" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no worker of rank {rank} under {launcher}")
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ exits with 128 + the signal's number. A second signal exits at once. Before the 
 so a signal then unwinds the start-up as an exit.
 
 With several ranks, each may see its signal at a different step; the ranks agree on the step to stop at with one
-small all-reduce per step on a gloo group of its own (host memory, no GPU synchronization)."""
+small all-reduce per step on a gloo group of its own (host memory, no GPU synchronization), waited for a step
+later, so that it never holds a rank's host back."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class StopSignals:
         self.signum = 0  # the first signal seen, 0 while none
         self.deferring = False  # in the step loop and after it: a signal waits for the end of the step
         self.group = None
+        self._pending = None  # the last call's all-reduce: (work, its tensor)
 
     @contextlib.contextmanager
     def installed(self):
@@ -38,6 +40,7 @@ class StopSignals:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.group is not None:
+                self._finish_pending()  # every rank started it: it completes
                 dist.destroy_process_group(self.group)
                 self.group = None
 
@@ -61,9 +64,20 @@ class StopSignals:
         self.deferring = True
 
     def requested(self) -> int:
-        """The signal every rank stops for (the largest any rank saw), or 0. Collective with several ranks."""
+        """The signal every rank stops for (the largest any rank saw), or 0. Collective with several ranks: each call
+        starts an all-reduce of this rank's flag and returns the previous call's result, so no rank's host ever waits
+        for another's here; the ranks stop one step after the first signal, all at the same step."""
         if self.group is None:
             return self.signum
+        agreed = self._finish_pending()
         flag = torch.tensor([self.signum], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return agreed
+
+    def _finish_pending(self) -> int:
+        if self._pending is None:
+            return 0
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
         return int(flag.item())
