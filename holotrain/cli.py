@@ -154,7 +154,10 @@ def _export(argv: list[str]) -> int:
     from holotrain.export import export_hf
 
     out = export_hf(a.run_dir, a.out_dir, a.checkpoint)
-    print(f"exported {a.run_dir} -> {out} (Hugging Face LlamaForCausalLM)")
+    import json
+
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"exported {a.run_dir} -> {out} (Hugging Face {architecture})")
     return 0
 
 
