@@ -320,6 +320,24 @@ def test_ctrl_c_saves_the_step_and_a_second_process_is_refused(reference_run, tm
     assert losses(run_dir) == losses(reference_run)
 
 
+def test_a_second_signal_exits_at_once():
+    """After the first signal the loop is asked to stop at the end of its step; a second one exits there and then,
+    with 128 + its number, whatever the process is doing."""
+    script = ("import os, signal, time\n"
+              "from holotrain.train.interrupts import StopSignals\n"
+              "with StopSignals().installed() as stop:\n"
+              "    stop.start_loop(1)\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    assert stop.requested() == signal.SIGINT\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "holotrain: SIGINT: finishing the step under way and saving a checkpoint (a second signal exits at once)",
+        "holotrain: SIGTERM: a second signal, exiting at once"]
+
+
 def test_a_changed_schedule_on_resume_is_said_out_loud(reference_run, tmp_path):
     run_dir = tmp_path / "longer"
     shutil.copytree(reference_run, run_dir)

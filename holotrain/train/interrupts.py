@@ -48,14 +48,14 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.signum:
             # os.write: a print from a handler can land inside another print of the main thread.
-            os.write(2, f"holotrain: {name} again: exiting at once\n".encode())
+            os.write(2, f"holotrain: {name}: a second signal, exiting at once\n".encode())
             os._exit(128 + signum)
         self.signum = signum
         if not self.deferring:
             os.write(2, f"holotrain: {name}: stopped before the first step; nothing to save\n".encode())
             raise SystemExit(128 + signum)
         os.write(2, f"holotrain: {name}: finishing the step under way and saving a checkpoint "
-                    f"({name} again exits at once)\n".encode())
+                    f"(a second signal exits at once)\n".encode())
 
     def start_loop(self, world_size: int) -> None:
         """From here on a signal waits for the end of the step. Collective: makes the ranks' agreement group."""
