@@ -55,7 +55,7 @@ class StopSignals:
             os.write(2, f"holotrain: {name}: stopped before the first step; nothing to save\n".encode())
             raise SystemExit(128 + signum)
         os.write(2, f"holotrain: {name}: finishing the step under way and saving a checkpoint "
-                    f"(a second signal exits at once)\n".encode())
+                    "(a second signal exits at once)\n".encode())
 
     def start_loop(self, world_size: int) -> None:
         """From here on a signal waits for the end of the step. Collective: makes the ranks' agreement group."""
