@@ -7,8 +7,9 @@ import os
 import sys
 import threading
 
-from holotrain.config import ConfigError, load_config
-from holotrain.errors import Interrupted, SaveFailed, TrainingStopped
+# Only light imports here: torch comes with the command's own imports, inside main(), so that a Ctrl-C while it
+# loads is one line too.
+from holotrain.errors import ConfigError, Interrupted, SaveFailed, TrainingStopped
 
 USAGE = """usage:
   holotrain train [--config FILE.toml | NAME] [--plan auto | PLAN.toml] [--section.key=value ...]
@@ -66,6 +67,8 @@ def _train(argv: list[str]) -> int:
     known, overrides = parsed
     if known.plan:
         overrides = _planned(known.config, overrides, known.plan)
+    from holotrain.config import load_config
+
     cfg = load_config(known.config, overrides)
     from holotrain.train import train
 
