@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from holotrain.model import Llama
+from holotrain.model import build
 from holotrain.optim import AdamWHyper, fused_adamw, param_groups, step_clipped
 from holotrain.optim.bf16_moments import AdamWBf16Moments
 from holotrain.plan.planner import job_config
@@ -44,7 +44,7 @@ def main() -> None:
     for moments in ("fp32", "bf16"):
         torch.manual_seed(0)
         with torch.device("cuda"):
-            model = Llama(model_args(cfg))
+            model = build(model_args(cfg))
         params = list(model.parameters())
         if moments == "fp32":
             optimizer = fused_adamw(params, 1e-4, hyper)

@@ -1,4 +1,4 @@
-"""The planner across many nodes, on paper (holotrain/plan/cluster.py): Llama 3 8B and 70B at a sequence of 8192 on
+"""The planner across many nodes, on paper (holotrain/plan/cluster.py): Decoder 3 8B and 70B at a sequence of 8192 on
 8, 64 and 512 H200s (nodes of 8, NVLink within, a 400 Gb/s NIC per GPU across), and beside each case the published
 configurations and throughput of torchtitan and Megatron for the same model sizes. Also the bubble model's check:
 the schedule simulator against the closed forms (holotrain/plan/pipeline.py).
@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from holotrain.model.llama import LlamaArgs, flops_per_token
+from holotrain.model import Decoder, ModelArgs
+from holotrain.model.costs import flops_per_token
 from holotrain.plan.cluster import ZERO_BUBBLE, Layout, evaluate, load_cluster, plan_cluster
 from holotrain.plan.pipeline import SCHEDULES, bubble_share_formula, pipeline_step
 
@@ -33,8 +34,8 @@ CLUSTERS = Path(__file__).resolve().parents[1] / "holotrain" / "configs" / "clus
 SEQ = 8192
 PEAK = 989e12
 MODELS = {
-    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
-    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
 }
 # (model, GPUs, sequences per step). 8B: torchtitan's 8B runs' 2 sequences per GPU; 70B: torchtitan's 70B run's
 # global batch of 512 sequences (4.2M tokens) at every scale. 128 and 256 GPUs are torchtitan's own scales.

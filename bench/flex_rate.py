@@ -24,7 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from holotrain.model.llama import LlamaArgs, attention, attention_flops_per_token, doc_block_mask  # noqa: E402
+from holotrain.model import ModelArgs  # noqa: E402
+from holotrain.model.parts import attention, doc_block_mask  # noqa: E402
+from holotrain.model.costs import attention_flops_per_token  # noqa: E402
 from holotrain.plan.attention import block_density  # noqa: E402
 
 HEADS, HEAD_DIM = 16, 128
@@ -75,7 +77,7 @@ def main() -> None:
         q, k, v = (torch.randn(1, HEADS, T, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         grad = torch.randn_like(q)
-        work = attention_flops_per_token(LlamaArgs(dim=HEADS * HEAD_DIM, n_layers=1, n_heads=HEADS), T) * T
+        work = attention_flops_per_token(ModelArgs(dim=HEADS * HEAD_DIM, n_layers=1, n_heads=HEADS), T) * T
         dense_s = timed(lambda: attention(q, k, v).backward(grad), a.reps)
         dense = work / dense_s
         rows.append({"T": T, "docs": "one", "density": 1.0, "attention_s": dense_s, "flops_s": dense, "speed": 1.0})

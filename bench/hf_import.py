@@ -28,7 +28,7 @@ def make(preset: str, out: Path) -> None:
     import transformers
 
     from holotrain.data.corpus import cache_dir, prepare_tokenizer, stdlib_sources
-    from holotrain.model.llama import PRESETS
+    from holotrain.model.families.llama import PRESETS
 
     a = PRESETS[preset]
     config = transformers.LlamaConfig(

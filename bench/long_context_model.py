@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holotrain.config import batch_layout  # noqa: E402
-from holotrain.model import Llama  # noqa: E402
+from holotrain.model import build  # noqa: E402
 from holotrain.plan.cost import Calibration, Machine, predict, with_settings  # noqa: E402
 from holotrain.plan.planner import job_config  # noqa: E402
 from holotrain.train.resolve import model_args  # noqa: E402
@@ -81,7 +81,7 @@ def main() -> None:
         cfg = with_settings(job_config("1.4b", overrides(preset, seq, batch)),
                             {"memory.activation_checkpointing": ac, "memory.activation_checkpointing_blocks": blocks})
         with torch.device("meta"):
-            model = Llama(model_args(cfg))
+            model = build(model_args(cfg))
         timed = intervals(rows)
         micro, accum = batch_layout(cfg, 1)
         predicted = [predict(model, cfg, machine, docs, micro, accum) for _, docs in timed]

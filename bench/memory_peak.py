@@ -98,11 +98,11 @@ def peak_report(snapshot: dict, top: int = 25) -> str:
 def _record_attention(out: Path):
     """Wraps the model's forward to note each micro-batch's document mask (whether it had one, and the share of the
     causal triangle its block mask visits); the shares stay on the GPU until the run ends (no synchronization)."""
-    from holotrain.model.llama import Llama
+    from holotrain.model import Decoder, build
     from holotrain.plan.attention import block_density
 
     seen = {"plain": 0, "masked": []}
-    forward = Llama.forward
+    forward = Decoder.forward
 
     def recording(self, tokens, targets=None, doc_ids=None):
         if doc_ids is None:
@@ -111,7 +111,7 @@ def _record_attention(out: Path):
             seen["masked"].append(block_density(doc_ids))
         return forward(self, tokens, targets, doc_ids)
 
-    Llama.forward = recording
+    Decoder.forward = recording
 
     def write(peak_bytes: int, code: int) -> None:
         masked = [float(d) for d in seen["masked"]]

@@ -189,21 +189,20 @@ def _fsdp2_cpu_offload_step(cfg, device):
     )
 
     from holotrain.memory import build as build_memory
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.optim import AdamWHyper, fused_adamw, param_groups
     from holotrain.parallel import DistEnv
     from holotrain.train import model_args
-    from holotrain.train.trainer import compile_regions
 
     if not dist.is_initialized():
         backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
         dist.init_process_group(backend, init_method="tcp://127.0.0.1:29577", rank=0, world_size=1, device_id=device_id)
     mesh = init_device_mesh(device.type, (1,))
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     build_memory(cfg.memory, DistEnv(rank=0, world_size=1, local_rank=0, device=device)).apply(model)
     if cfg.training.compile:
-        compile_regions(model)
+        model.compile_regions()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # (pinning needs CUDA: the CPU smoke test)
     for block in model.layers.values():
@@ -242,7 +241,8 @@ def run_trial(spec: dict) -> dict:
 
     from holotrain.hw import peak_bf16_flops
     from holotrain.memory import build_optimizer
-    from holotrain.model import flops_per_token, num_params
+    from holotrain.model.costs import flops_per_token
+    from holotrain.model import num_params
     from holotrain.optim import AdamWHyper
     from holotrain.parallel import DistEnv
     from holotrain.profile import PhaseClock
@@ -388,7 +388,7 @@ def plan_micro(shape: str, args, ratio: float, gpu_bytes: float | None, ac: str,
     import torch
 
     from holotrain.memory.plan import plan_memory
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.train import model_args
 
     def fits(b, micro):
@@ -396,7 +396,7 @@ def plan_micro(shape: str, args, ratio: float, gpu_bytes: float | None, ac: str,
                 "ac": ac, "variant": "offload", "ratio": ratio, "device": args.device}
         cfg = _config(spec)
         with torch.device("meta"):
-            model = Llama(model_args(cfg))
+            model = build(model_args(cfg))
         plan = plan_memory(model, cfg, 1, _device(args.device), micro, b // micro, gpu_capacity=gpu_bytes)
         return plan.gpu_fits and plan.host_fits
 
@@ -752,14 +752,14 @@ def auto_ratio(shape: str, args, batch: int, micro: int) -> float | None:
 
     from holotrain.config import ConfigError
     from holotrain.memory.plan import choose_offload_ratio
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.train import model_args
 
     spec = {"shape": shape, "seq": args.seq_len, "batch": batch, "micro": micro, "compile": True, "ac": args.ac,
             "variant": "offload", "device": args.device}
     cfg = _config(spec)
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     try:
         return choose_offload_ratio(model, cfg, 1, _device(args.device), micro, batch // micro,
                                     gpu_capacity=gpu_free_bytes(args))

@@ -544,7 +544,7 @@ def run_diag(args, comms, world, result, save):
 
 def run_e2e(args, world, result, save):
     from holotrain.config import MemoryConfig, load_config, resolve
-    from holotrain.model import flops_per_token
+    from holotrain.model.costs import flops_per_token
     from holotrain.parallel import DistEnv
     from holotrain.train.trainer import TrainStep, build_model, build_optimizer, model_args
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from holotrain.config import load_config, resolve  # noqa: E402
 from holotrain.hw import peak_bf16_flops  # noqa: E402
 from holotrain.hw.probe import cuda_event_median  # noqa: E402
-from holotrain.model import flops_per_token  # noqa: E402
+from holotrain.model.costs import flops_per_token  # noqa: E402
 from holotrain.parallel import DistEnv  # noqa: E402
 from holotrain.train.trainer import TrainStep, build_model, build_optimizer, model_args  # noqa: E402
 
@@ -137,7 +137,7 @@ def build_variant(name: str, a, device):
         # holotrain as the trainer runs it: its model, its levers, its optimizer and its step.
         # "holotrain-a-b" switches levers off or picks kernels, to show what each one gives.
         switches = set(name.split("-")[1:])
-        unknown = switches - {"eager", "fp32residual", "noclipfold", "flash", "cudnn", "autotune", "fp8", "fp8head",
+        unknown = switches - {"eager", "noclipfold", "flash", "cudnn", "autotune", "fp8", "fp8head",
                               "delayed"}
         if unknown:
             raise SystemExit(f"unknown holotrain switches {sorted(unknown)}")
@@ -160,8 +160,6 @@ def build_variant(name: str, a, device):
             for block in model.layers.values():
                 block.compile(mode="max-autotune-no-cudagraphs")
             model.loss = torch.compile(model.loss, mode="max-autotune-no-cudagraphs")
-        if "fp32residual" in switches:
-            model.residual_in_autocast_dtype = False
         opt = build_optimizer(model, cfg, env, torch.bfloat16)
         train_step = TrainStep(model, opt, cfg, env, torch.bfloat16)
         if "noclipfold" in switches:

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from holotrain.model import Llama, LlamaArgs  # noqa: E402
+from holotrain.model import Decoder, ModelArgs, build
 from holotrain.parallel.launch import DistEnv, device_mesh  # noqa: E402
 from holotrain.parallel.pp import (Pipeline, rank_stages, stage_bounds, stage_model,  # noqa: E402
                                    stages_per_rank, unit_costs)
@@ -62,7 +62,7 @@ from holotrain.plan.pipeline import schedule_order, simulate  # noqa: E402
 
 PP = int(os.environ.get("WORLD_SIZE", "4"))  # the pipeline's ranks: the launch's (4; 2 fit a 2-core machine)
 T = 256  # tokens per row; one row per micro-batch
-ARGS = LlamaArgs(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=256, max_seq_len=T)
+ARGS = ModelArgs(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=256, max_seq_len=T)
 DEFAULT_CASES = "1f1b:4,1f1b:16,interleaved:16,zb1p:16,zbv:16"
 
 
@@ -144,7 +144,7 @@ def with_host_time(gathered: dict, host_s: float | None = None) -> float | None:
     return 1 - busy / (gathered["pp"] * step_s)
 
 
-def run_case(base: Llama, pp_mesh, schedule: str, m: int, warmup: int, steps: int, p2p_s: float,
+def run_case(base: Decoder, pp_mesh, schedule: str, m: int, warmup: int, steps: int, p2p_s: float,
              host_s: float | None = None) -> dict:
     """Trains `warmup` + `steps` steps of `schedule` with m micro-batches; on rank 0 the case's figures."""
     n_stages = PP * stages_per_rank(schedule)
@@ -234,7 +234,7 @@ def main() -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), local_world_size=world)
     mesh = device_mesh(env, pp=PP)
     torch.manual_seed(0)
-    base = Llama(ARGS)
+    base = build(ARGS)
     base.init_weights(seed=7)
 
     p2p_s = one_way_send_s(rank)

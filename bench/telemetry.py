@@ -32,7 +32,7 @@ import peers  # noqa: E402
 
 from holotrain.hw.dvfs import analyze, load_telemetry  # noqa: E402
 from holotrain.hw.telemetry import Telemetry  # noqa: E402
-from holotrain.model import flops_per_token  # noqa: E402
+from holotrain.model.costs import flops_per_token  # noqa: E402
 from holotrain.profile import PhaseClock  # noqa: E402
 
 

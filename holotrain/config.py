@@ -1,4 +1,4 @@
-"""Job configuration: dataclass sections, TOML files, `--section.key=value` overrides, validation.
+"""Job configuration: the sections composed into one Config, TOML files, `--section.key=value` overrides, resolution.
 
 Precedence: dataclass defaults < TOML file (`--config`) < command-line overrides. The resolved config
 (every model dimension filled in from its preset) is what a run saves as `config.toml` and what a
@@ -20,27 +20,33 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from holotrain.config_checks import PP_SCHEDULES, validate  # noqa: F401 - validate is part of this module's interface
+from holotrain.config_checks import validate
 from holotrain.config_values import closest, coerce
+from holotrain.data.config import DataConfig
 from holotrain.data.sources import SourceConfig
 from holotrain.errors import ConfigError
-from holotrain.model.llama import PRESETS
+from holotrain.hw.config import HwConfig
+from holotrain.memory.config import MemoryConfig
+from holotrain.model.config import ModelConfig
+from holotrain.model.registry import (DEFAULT_FAMILY, check as check_model, fix_switches, model_args,
+                                      preset as family_preset)
+from holotrain.parallel.config import PP_SCHEDULES, ParallelConfig
+from holotrain.plan.config import PlanConfig
+from holotrain.profile.config import ProfileConfig
+from holotrain.section import Section, need
 
-
-class _Section:
-    """A config section; read-only once the config is resolved (Config.freeze)."""
-
-    _frozen = False
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self._frozen:
-            raise AttributeError(f"the resolved config is read-only: {type(self).__name__}.{name} cannot change "
-                                 "after resolution (make a changed copy with dataclasses.replace)")
-        object.__setattr__(self, name, value)
+# What other modules import from here. Each lever's section is defined with the lever (holotrain/<lever>/config.py)
+# and re-exported; the trainer's own sections (job, training, checkpoint) are defined below.
+__all__ = [
+    "PP_SCHEDULES", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "HwConfig", "JobConfig",
+    "MemoryConfig", "ModelConfig", "ParallelConfig", "PlanConfig", "ProfileConfig", "TrainingConfig",
+    "batch_layout", "default_job_name", "find_config", "load_config", "parse_overrides", "resolve",
+    "shipped_configs", "validate",
+]
 
 
 @dataclass
-class JobConfig(_Section):
+class JobConfig(Section):
     # Names the run directory, runs/<name>, unless job.run_dir says otherwise. Empty: the config file's name (sft for
     # sft.toml), else the directory's name of model.init_from, else "default" (the embedded default job).
     name: str = ""
@@ -52,69 +58,13 @@ class JobConfig(_Section):
     # from it and the measured time a save blocks.
     mtbf_hours: float = 24.0
 
-
-@dataclass
-class ModelConfig(_Section):
-    preset: str = "tiny"
-    # 0 / 0.0 means "take the preset's value"; the resolved config holds the real numbers.
-    dim: int = 0
-    n_layers: int = 0
-    n_heads: int = 0
-    n_kv_heads: int = 0
-    ffn_dim: int = 0
-    vocab_size: int = 0  # tiny preset: 0 = the tokenizer's vocabulary, rounded up to a multiple of 64
-    max_seq_len: int = 0  # 0 = data.seq_len
-    rope_theta: float = 0.0
-    rope_scaling: dict = field(default_factory=dict)  # {} = none; {rope_type = "llama3" | "linear", factor, ...}
-    norm_eps: float = 0.0
-    tie_embeddings: bool = False  # the head shares the embedding's weight
-    qkv_bias: bool = False  # biases as pretrained checkpoints have them (Qwen2: q/k/v)
-    out_bias: bool = False
-    mlp_bias: bool = False
-    # A Hugging Face model directory or a holotrain run / checkpoint: the dimensions, weights and tokenizer come
-    # from it (model/pretrained.py); a new run starts from its weights with a fresh optimizer. A relative path in a
-    # TOML file is relative to the file's folder (as every input path there), on the command line to the current one.
-    init_from: str = ""
+    def check(self) -> None:
+        need(self.device in ("auto", "cpu", "cuda"), f"job.device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.mtbf_hours > 0, f"job.mtbf_hours must be positive, got {self.mtbf_hours}")
 
 
 @dataclass
-class DataConfig(_Section):
-    # [[data.sources]] tables (name, path, weight, weight_schedule, text_field, format = "text" | "chat",
-    # messages_field, prompt_field, response_field, document = "record" | "directory", path_field; see
-    # holotrain/data/sources.py); none: the embedded corpus, two sources built from this Python's
-    # standard library (code, and docstrings as prose). A relative path (or glob) is relative to the TOML file's folder;
-    # a leading ~ is the home directory.
-    sources: list = field(default_factory=list)
-    seq_len: int = 256
-    # Path to a tokenizer.json (relative: to the TOML file's folder); empty = train a byte-level BPE on the sources.
-    tokenizer: str = ""
-    vocab_size: int = 4096  # size of the BPE trained when data.tokenizer is empty
-    tokenizer_sample_mb: float = 8.0  # text the BPE is trained on
-    cache_dir: str = ""  # empty: $HOLOTRAIN_CACHE or ~/.cache/holotrain; relative: to the current directory
-    workers: int = 4  # most loader processes per node, over all sources (they scale with demand)
-    chunk_mb: float = 1.0  # unit of work of a loader
-    prefetch_steps: int = 4  # steps the plane builds ahead of training
-    # Balance attention cost (sum of squared document lengths) across data-parallel ranks in every micro-batch, reaching
-    # up to balance_window steps ahead when the step's own samples cannot be evened (data/packing.py StepFormer);
-    # false: in order.
-    balance: bool = True
-    # With balance: how many steps ahead a micro-batch may take its samples from (data/packing.py StepFormer), when
-    # the step's own samples cannot be evened; no sample trains more than this many steps late.
-    balance_window: int = 4
-    shuffle: bool = True  # chunk order shuffled per epoch
-    log_samples: bool = False  # write RUN_DIR/samples.jsonl: the documents of every sample (rank 0's)
-    backend: str = "local"  # loader processes: "local", or "ray" actors (pip install holotrain[ray])
-    ray_address: str = ""  # Ray cluster to join; empty: start one on this node
-    # A source whose loaders skip more than this share of its records (malformed lines, a missing text field, a chat
-    # record the template refuses) stops the run with one line naming its first bad file:line.
-    max_skip_fraction: float = 0.01
-    # For chat sources: "" the tokenizer's own, "chatml", "llama3" or a .jinja file's path (relative: to the TOML
-    # file's folder).
-    chat_template: str = ""
-
-
-@dataclass
-class TrainingConfig(_Section):
+class TrainingConfig(Section):
     steps: int = 150
     batch_size: int = 16  # global: sequences per optimizer step, over all ranks and micro-batches
     micro_batch_size: int = 0  # per rank per forward; 0 = batch_size / world size (no accumulation)
@@ -145,9 +95,28 @@ class TrainingConfig(_Section):
     fp8_skip: list[str] = field(default_factory=lambda: ["output"])
     fp8_emulate: bool = False
 
+    def check(self) -> None:
+        need(self.steps > 0, f"training.steps must be positive, got {self.steps}")
+        need(self.batch_size > 0, f"training.batch_size must be positive, got {self.batch_size}")
+        need(self.micro_batch_size >= 0, f"training.micro_batch_size must be >= 0, got {self.micro_batch_size}")
+        need(self.lr > 0, f"training.lr must be positive, got {self.lr}")
+        need(0 <= self.min_lr_ratio <= 1, f"training.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        need(self.warmup_steps >= 0, f"training.warmup_steps must be >= 0, got {self.warmup_steps}")
+        need(self.weight_decay >= 0, f"training.weight_decay must be >= 0, got {self.weight_decay}")
+        need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
+        need(self.grad_clip >= 0, f"training.grad_clip must be >= 0, got {self.grad_clip}")
+        need(self.dtype in ("auto", "bf16", "fp32"), f"training.dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        need(self.attention in ("auto", "cudnn", "flash"),
+             f"training.attention must be auto, cudnn or flash, got {self.attention!r}")
+        need(self.log_every > 0, f"training.log_every must be positive, got {self.log_every}")
+        need(self.fp8 in ("none", "tensorwise", "rowwise", "delayed", "auto"),
+             f"training.fp8 must be none, tensorwise, rowwise, delayed or auto, got {self.fp8!r}")
+        need(self.max_nonfinite_steps > 0,
+             f"training.max_nonfinite_steps must be positive, got {self.max_nonfinite_steps}")
+
 
 @dataclass
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every: int = 50  # steps between checkpoints; 0 = only the final one
     keep: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the newest intact checkpoint in the run directory
@@ -162,120 +131,17 @@ class CheckpointConfig(_Section):
     # bounded by this many seconds (a scheduler's grace period), after which the process exits without it.
     interrupt_grace_s: float = 120.0
 
-
-
-
-@dataclass
-class ParallelConfig(_Section):
-    # Data parallelism over all ranks of a torchrun launch (world size / tp of them); world size 1 runs unsharded.
-    dp: str = "fsdp"  # fsdp
-    reshard_after_forward: bool = True
-    # Tensor parallelism (holotrain/parallel/tp.py): ranks per model replica, splitting heads and FFN columns, with
-    # sequence-parallel norms; ranks tp*i .. tp*i+tp-1 form one group (one node's GPUs). 1 = off.
-    tp: int = 1
-    # How a TP layer's all-gather / reduce-scatter meets its GEMM (holotrain/parallel/overlap.py): "none" (NCCL
-    # collective, then the GEMM; the only CPU path), "async_tp" (torch's symmetric-memory async-TP ops) or
-    # "fused" (our Triton kernels: the GEMM consumes gathered tiles as they arrive and scatters as it goes).
-    tp_overlap: str = "none"
-    # Tiles of the fused kernels, "BMxBNxBK" with optional "-sSTAGES-wWARPS-gGROUP_M-rRESERVED_SMS-dDYNAMIC-xWS"
-    # "-fFLAT-eEPILOGUE_PIECES-cCORE" (holotrain/parallel/tiles.py; -c1: the all-gather GEMM on the
-    # warp-specialized Gluon core); empty = the built-in default (bench/overlap.py tries a few).
-    tp_tiles: str = ""
-    # The fused kernels' safety limits and piece size. A wait that polls a peer's flag more than tp_spin_limit times
-    # ends the kernel with an error (a peer is missing) instead of hanging; tp_barrier_ms bounds the host-side
-    # barrier before each op; tp_piece_mb is the unit in which the all-gather's copies land and are signalled.
-    tp_spin_limit: int = 1 << 26
-    tp_barrier_ms: int = 120000
-    tp_piece_mb: float = 4.0
-    # Context parallelism (holotrain/parallel/cp.py): ranks that split each sequence, load-balanced (each rank holds
-    # chunks i and 2N-1-i of 2N). "ring": keys and values pass around the group, each hop overlapped with attention on
-    # the block at hand; "alltoall": all-to-all from sequence to heads (the heads, and kv heads, of a TP rank must divide
-    # by cp) and attention over the whole sequence; "auto": alltoall where heads divide, else ring. 1 = off.
-    cp: int = 1
-    cp_mode: str = "auto"
-    # Pipeline parallelism (holotrain/parallel/pp.py): ranks that each hold a contiguous share of the blocks (stages
-    # balanced by cost, the embedding on the first and the head on the last), on torch.distributed.pipelining's
-    # schedules: "1f1b", "interleaved" (2 stages per rank, looped), "zb1p" (interleaved zero bubble), "zbv" (zero bubble,
-    # 2 stages per rank in a V); "auto": interleaved when training.compile, else zbv (1f1b with too few blocks for two
-    # stages a rank). pp_microbatches: micro-batches per step through the pipeline, the step's gradient accumulation
-    # (0: as training.micro_batch_size makes them, else the fewest of at least 2 x pp that split a replica's rows).
-    # Not yet with memory.offload, activation offload or delayed FP8. 1 = off.
-    pp: int = 1
-    pp_schedule: str = "auto"
-    pp_microbatches: int = 0
+    def check(self) -> None:
+        need(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
+        need(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
+        need(self.memory_every >= 0, f"checkpoint.memory_every must be >= 0 (0 = off), got {self.memory_every}")
+        need(self.memory_gb > 0, f"checkpoint.memory_gb must be positive, got {self.memory_gb}")
+        need(self.interrupt_grace_s > 0,
+             f"checkpoint.interrupt_grace_s must be positive, got {self.interrupt_grace_s}")
 
 
 @dataclass
-class MemoryConfig(_Section):
-    # "none" | "full" (every block recomputed in backward) | "selective" (every other block) | "pointwise" (the
-    # norms, rotary and SwiGLU products recomputed, no matmul); see holotrain/memory/activation_checkpointing.py.
-    # true / false are accepted as "full" / "none". "auto": the least recomputation the memory plan fits (none at
-    # short sequences, more as they grow), chosen when the run starts and saved in its config.toml.
-    activation_checkpointing: str | bool = "auto"
-    # "full" or "pointwise" on this many blocks, spread evenly over the depth (0 = every block).
-    activation_checkpointing_blocks: int = 0
-    # ZeRO-Offload (holotrain/memory/offload/): fp32 master weights and AdamW states in CPU memory, working
-    # weights on the GPU in the compute dtype, the CPU step overlapped with backward and the next forward.
-    offload: bool = False
-    # Share of the parameters whose optimizer step runs on the CPU (the last units in forward order); the rest on the
-    # GPU. "auto": the smallest share that the memory plan fits in GPU and host memory (the most work on the GPU).
-    offload_ratio: float | str = 1.0
-    # The CPU step's loops: "auto" (the compiled extension, holotrain/memory/offload/csrc; torch ops with a warning
-    # where it cannot be built), "native" (the extension or an error) or "torch" (torch ops: more passes over memory).
-    offload_kernel: str = "auto"
-    offload_threads: int = 0  # CPU threads of the offloaded step; 0 = this rank's share of the cores, minus one
-    # Python's GIL switch interval while the engine runs, in ms (0 = Python's 5 ms): the CPU worker takes the GIL back
-    # a dozen times a bucket, and at 5 ms its native threads wait on the training thread's Python.
-    offload_gil_switch_ms: float = 0.25
-    # ZeRO-Offload's delayed parameter update (memory/offload/__init__.py; changes the optimization: never planned).
-    # On one process it takes one micro-batch per step (the working weights change when a bucket's gradient lands).
-    offload_delayed_update: bool = False
-    adamw_moments: str = "fp32"  # on the device: fp32 | bf16 (4 bytes a parameter less; optim/bf16_moments.py)
-    check_fit: bool = True  # refuse, before training starts, a plan that cannot fit GPU or host memory
-    # The head and the loss fused, in pieces of this many tokens (model/head.py: one piece's fp32 logits alive).
-    # 0 = auto: 8192 with activation checkpointing (memory first), else the whole micro-batch at once.
-    loss_chunk_tokens: int = 0
-    # The first this many blocks keep their saved tensors in pinned host memory between forward and backward
-    # (memory/activation_offload.py): less GPU memory at the peak, no recompute, PCIe traffic instead.
-    activation_offload_blocks: int = 0
-
-
-@dataclass
-class ProfileConfig(_Section):
-    tensorboard: bool = True
-    progress: bool = True  # rich progress bar when the terminal is interactive
-    phases: bool = True  # time.forward/backward/optimizer per logged step (CUDA events, read at log time)
-    trace_steps: list = field(default_factory=list)  # steps (1-based) captured by torch.profiler, e.g. [10, 11]
-    trace_max_mb: float = 64.0  # a trace file larger than this keeps only its longest events
-    report: bool = True  # write RUN_DIR/report.html when training ends
-    straggler_margin: float = 0.2  # a rank this share over the median in a phase is named (stragglers.py); 0 = off
-
-
-@dataclass
-class HwConfig(_Section):
-    telemetry: bool = True  # NVML sampler: clocks, power, energy, throttle reasons -> RUN_DIR/telemetry.jsonl
-    telemetry_hz: float = 100.0
-    # Changing clocks or power limits affects everyone on the card: off unless the user asks explicitly.
-    allow_clock_control: bool = False
-    lock_sm_clock_mhz: int = 0  # 0 = leave the clocks alone
-    power_limit_w: float = 0.0  # 0 = leave the power limit alone
-    # GPU memory this run may use, in GB (0 = all of it): to plan for a smaller card, or to share one. The memory
-    # plan and the allocator both keep to it.
-    gpu_memory_gb: float = 0.0
-
-
-@dataclass
-class PlanConfig(_Section):
-    """`holotrain plan` / `holotrain train --plan auto` (holotrain/plan/)."""
-
-    objective: str = "tokens_per_s"  # tokens_per_s | j_per_token
-    trials: int = 3  # the best predicted candidates run as short trials through `holotrain train`
-    trial_steps: int = 8  # steps per trial; the first two (compilation, warm-up) are not timed
-    seconds: float = 180.0  # planning budget: no trial starts that it would not finish (judged by the last one)
-
-
-@dataclass
-class Config(_Section):
+class Config(Section):
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -494,26 +360,34 @@ def default_job_name(config_path: Path | None, init_from: str) -> str:
 
 
 def resolve(cfg: Config, tokenizer_vocab: int | None = None) -> Config:
-    """Fill model dims from the preset (and the vocabulary from the tokenizer, once it is known), then
+    """Fill model dims from the family's preset (and the vocabulary from the tokenizer, once it is known), then
     validate. Called once before the corpus is prepared, so mistakes surface at once, and again after."""
     m = cfg.model
-    if m.preset not in PRESETS:
-        raise ConfigError(f"model.preset: unknown preset {m.preset!r} (known: {', '.join(PRESETS)})")
-    preset = PRESETS[m.preset]
     if m.init_from:
         from holotrain.model.pretrained import fill_config
 
         fill_config(cfg)  # every dimension (and the tokenizer) from the checkpoint; the preset is not used
-    for f in dataclasses.fields(preset):
-        if hasattr(m, f.name) and not getattr(m, f.name):
-            setattr(m, f.name, getattr(preset, f.name))
+    m.family = m.family or DEFAULT_FAMILY
+    shape = family_preset(m.family, m.preset)
+    for f in dataclasses.fields(shape):
+        # A model from init_from is described whole by it: a switch it has off stays off.
+        if hasattr(m, f.name) and not getattr(m, f.name) and not m.init_from and f.name != "head_dim":
+            setattr(m, f.name, getattr(shape, f.name))
+    fix_switches(m.family, m)
     if not m.n_kv_heads:
         m.n_kv_heads = m.n_heads
+    if not m.head_dim and m.n_heads:
+        # The preset's own head_dim where it sets one apart from its width (qwen3), else this width's share of a head.
+        explicit = shape.head_dim != shape.dim // shape.n_heads and not m.init_from
+        if not explicit and m.dim % m.n_heads:
+            raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.dim={m.dim} (or set model.head_dim)")
+        m.head_dim = shape.head_dim if explicit else m.dim // m.n_heads
     if not m.max_seq_len:
         m.max_seq_len = cfg.data.seq_len
     if not m.vocab_size and tokenizer_vocab is not None:
         m.vocab_size = -(-tokenizer_vocab // 64) * 64
     validate(cfg, tokenizer_vocab)
+    check_model(model_args(m))
     return cfg
 
 

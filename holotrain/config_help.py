@@ -1,8 +1,9 @@
 """`holotrain train --help`: every config key with its default and its comment.
 
-The text is read from the config dataclasses and the comments beside their fields in the source
-(holotrain/config.py, and holotrain/data/sources.py for the [[data.sources]] tables), so the help says what the code
-says and is never kept by hand.
+The text is read from the config dataclasses and the comments beside their fields in each one's own source file
+(holotrain/config.py for the trainer's sections, holotrain/<lever>/config.py for a lever's, and
+holotrain/data/sources.py for the [[data.sources]] tables), so the help says what the code says and is never kept by
+hand.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ INTRO = ("Config keys and their defaults. Set them in a TOML file (--config FILE
 
 def field_comments(cls: type) -> tuple[str, dict[str, str]]:
     """A dataclass's docstring, and each field's comment: the comment lines just above it, then the comment at the
-    end of its line. Fields without one are left out; so is everything when the source cannot be read."""
+    end of its line, read from the class's own source file. Fields without one are left out; so is everything when
+    the source cannot be read."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):

@@ -23,7 +23,7 @@ from holotrain.data.corpus import (
     special_ids,
     tokenizer_config,
 )
-from holotrain.model import Llama
+from holotrain.model import build
 from holotrain.model.hf import hf_config_dict, hf_generation_config, to_hf_state_dict
 from holotrain.train.checkpoint import latest_checkpoint, load_model_weights
 from holotrain.train.trainer import model_args
@@ -45,14 +45,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
     config = hf_config_dict(args)  # an architecture transformers lacks is refused before anything is written
     tokens = RunTokens.of(cfg, run_dir, args.vocab_size)  # and so is a special token outside the vocabulary
     config.update(tokens.config_ids())
-    model = Llama(args)
+    model = build(args)
     load_model_weights(ckpt, model)
-    model.tie_weights()
-    state = {k: v.detach().to(torch.float32).contiguous()
-             for k, v in to_hf_state_dict(model.state_dict(), args.tie_embeddings).items()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _save_sharded(state, out_dir)
-    _write_json(out_dir / "config.json", config)
+    write_model(model, out_dir, config)
     _write_json(out_dir / "generation_config.json",
                 hf_generation_config(**tokens.config_ids(), stop_ids=tokens.stop_ids()))
     for name in ("tokenizer.json", *TOKENIZER_FILES):
@@ -65,6 +60,18 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
         print("holotrain: warning: the chat template ends an assistant turn with no special token of the tokenizer, "
               "so generate() stops only at the end-of-text token", file=sys.stderr)
     return out_dir
+
+
+def write_model(model: torch.nn.Module, out_dir: Path, config: dict | None = None) -> None:
+    """A model as Hugging Face stores one: config.json (`config`, else the family's translation of model.args) and
+    its fp32 weights under Hugging Face's names, in safetensors files as save_pretrained shards them."""
+    args = model.args
+    model.tie_weights()
+    state = {k: v.detach().to(torch.float32).contiguous()
+             for k, v in to_hf_state_dict(model.state_dict(), args.tie_embeddings).items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _save_sharded(state, out_dir)
+    _write_json(out_dir / "config.json", config or hf_config_dict(args))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holotrain.config import ParallelConfig  # noqa: E402
-from holotrain.model import Llama, LlamaArgs  # noqa: E402
+from holotrain.model import ModelArgs, build  # noqa: E402
 from holotrain.parallel.launch import DistEnv  # noqa: E402
 from holotrain.parallel.lever import Parallel  # noqa: E402
 from holotrain.parallel.teardown import destroy_process_groups  # noqa: E402
@@ -64,9 +64,9 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), local_world_size=world)
-    args = LlamaArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=128, max_seq_len=T)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=128, max_seq_len=T)
     torch.manual_seed(0)
-    base = Llama(args)
+    base = build(args)
     base.init_weights(seed=7)
 
     for dp, cp, tp, mode in LAYOUTS:

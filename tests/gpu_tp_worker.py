@@ -330,10 +330,10 @@ def main() -> None:
         """A small Llama with TP=2: loss and gradients of every tp_overlap mode against 'none'."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        from holotrain.model import Llama, LlamaArgs
+        from holotrain.model import ModelArgs, build
         from holotrain.parallel.tp import apply_tp
 
-        args = LlamaArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=2816, vocab_size=32000,
+        args = ModelArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=2816, vocab_size=32000,
                          max_seq_len=1024)
         mesh = init_device_mesh("cuda", (W,), mesh_dim_names=("tp",))
         # 1025 tokens: inputs and targets of 1024, which splits over the ranks for sequence parallelism
@@ -342,7 +342,7 @@ def main() -> None:
         out, res = [], {}
         for mode in [m for m in ("none", "async_tp", "fused") if m in comms]:
             with torch.device("meta"):
-                model = Llama(args)
+                model = build(args)
             apply_tp(model, mesh, ParallelConfig(tp=W, tp_overlap=mode, tp_spin_limit=KNOBS["spin_limit"],
                                                  tp_barrier_ms=KNOBS["barrier_ms"], tp_piece_mb=KNOBS["piece_mb"]))
             model.to_empty(device=device)
@@ -351,7 +351,7 @@ def main() -> None:
             loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
             loss.backward()
             if mode == "fused":
-                fused = model.tp_comm.fused
+                fused = model.hooks.tp_comm.fused
                 fused.check()
                 got = (fused.spin_limit, fused.barrier_timeout_ms, fused.piece_bytes)
                 want = (KNOBS["spin_limit"], KNOBS["barrier_ms"], int(KNOBS["piece_mb"] * 2**20))

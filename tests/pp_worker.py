@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holotrain.config import ParallelConfig  # noqa: E402
-from holotrain.model import Llama, LlamaArgs  # noqa: E402
+from holotrain.model import Decoder, ModelArgs, build
 from holotrain.parallel.cp import apply_cp  # noqa: E402
 from holotrain.parallel.dp import apply_fsdp  # noqa: E402
 from holotrain.parallel.launch import DistEnv, device_mesh, fsdp_mesh  # noqa: E402
@@ -87,7 +87,7 @@ class Reference:
     weights: dict  # after the last step
 
 
-def reference(base: Llama, dp: int, n_micro: int, steps: int) -> Reference:
+def reference(base: Decoder, dp: int, n_micro: int, steps: int) -> Reference:
     """One process: holotrain's gradient accumulation over n_micro micro-batches, the replicas' mean."""
     model = copy.deepcopy(base)
     opt = optimizer(model.parameters())
@@ -114,7 +114,7 @@ def reference(base: Llama, dp: int, n_micro: int, steps: int) -> Reference:
     return Reference(losses, norms, first, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def check_layout(base: Llama, mesh, schedule: str, steps: int, ref: Reference) -> str:
+def check_layout(base: Decoder, mesh, schedule: str, steps: int, ref: Reference) -> str:
     args = base.args
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
     tp, cp = (mesh[k].size() if k in mesh.mesh_dim_names else 1 for k in ("tp", "cp"))
@@ -172,9 +172,9 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), local_world_size=world)
-    args = LlamaArgs(dim=64, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=256, max_seq_len=T)
+    args = ModelArgs(dim=64, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=256, max_seq_len=T)
     torch.manual_seed(0)
-    base = Llama(args)
+    base = build(args)
     base.init_weights(seed=7)
     for (pp, tp, cp), steps in STEPS.items():
         mesh = device_mesh(env, tp=tp, cp=cp, pp=pp)

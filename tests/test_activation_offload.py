@@ -7,14 +7,14 @@ import torch
 from conftest import read_metrics, run_cli, tiny_args
 
 from holotrain.memory.activation_offload import ActivationOffload
-from holotrain.model import Llama, LlamaArgs
+from holotrain.model import ModelArgs, build
 
-ARGS = LlamaArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256, max_seq_len=32)
+ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256, max_seq_len=32)
 
 
 def _grads(model, batches, offload=None):
     model.zero_grad(set_to_none=True)
-    model.around_block = None if offload is None else offload.run_block
+    model.hooks.install("run_block", None if offload is None else offload.run_block, "memory")
     losses = []
     for tokens in batches:  # gradient accumulation: the host buffers are reused by the next micro-batch
         loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -26,7 +26,7 @@ def _grads(model, batches, offload=None):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_offloaded_blocks_give_the_same_gradients(compiled):
     torch.manual_seed(0)
-    model = Llama(ARGS)
+    model = build(ARGS)
     if compiled:
         for block in model.layers.values():
             block.compile()
@@ -65,7 +65,7 @@ def test_the_memory_plan_moves_offloaded_activations_to_the_host():
         cfg = resolve(load_config(find_config("1.4b"), ["--training.batch_size=16",
                                                         f"--memory.activation_offload_blocks={blocks}"]))
         with torch.device("meta"):
-            model = Llama(model_args(cfg))
+            model = build(model_args(cfg))
         return plan_memory(model, cfg, 1, torch.device("cuda"), 16, 1, gpu_capacity=140e9, host_capacity=100e9)
 
     none, three = plan(0), plan(3)
@@ -92,10 +92,10 @@ def test_gpu_offloaded_blocks_lower_the_peak_and_keep_the_gradients():
     accumulates in no fixed order, and one rounding changed in a bf16 block carries on through the blocks below (on
     an H200 the offloaded run differed by up to 0.33% of a gradient's norm, in blocks the offload does not touch
     too). A wrong or unfinished copy changes the offloaded blocks' gradients wholesale."""
-    args = LlamaArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=5632, vocab_size=4096,
+    args = ModelArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=5632, vocab_size=4096,
                      max_seq_len=2048)
     torch.manual_seed(0)
-    model = Llama(args).cuda()
+    model = build(args).cuda()
     for block in model.layers.values():
         block.compile()
     batches = [torch.randint(0, args.vocab_size, (4, 2049), device="cuda") for _ in range(2)]
@@ -153,7 +153,7 @@ def test_copy_exposure_and_the_plans_choices():
     assert not any(c.settings["memory.activation_offload_blocks"] for c in enumerate_candidates(cfg, cpu))
 
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
 
     def run(blocks):
         return predict(model, with_settings(cfg, {"memory.activation_offload_blocks": blocks}), gpu, Calibration(),

@@ -157,7 +157,7 @@ def test_bf16_moments_with_offload_is_one_config_error(tmp_path):
 def test_the_memory_plan_counts_four_bytes_a_parameter_less():
     from holotrain.errors import ConfigError
     from holotrain.memory import plan
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.plan.planner import job_config
     from holotrain.train.resolve import model_args
 
@@ -165,7 +165,7 @@ def test_the_memory_plan_counts_four_bytes_a_parameter_less():
     for moments in ("fp32", "bf16"):
         cfg = job_config("1.4b", [f"--memory.adamw_moments={moments}"])
         with torch.device("meta"):
-            model = Llama(model_args(cfg))
+            model = build(model_args(cfg))
         p = plan.plan_memory(model, cfg, 1, torch.device("cuda"), 16, 1, gpu_capacity=200e9, host_capacity=500e9)
         sizes[moments] = p.gpu_need
     n = sum(q.numel() for q in model.parameters())

@@ -140,7 +140,7 @@ def test_memory_plan_keeps_to_the_gpu_cap(monkeypatch):
     import torch
 
     from holotrain.memory.plan import GPU_USABLE_EXPANDABLE, gpu_available_bytes, plan_memory
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.train import model_args
 
     card, cap, reserved = 141e9, 24e9, 1e9
@@ -151,7 +151,7 @@ def test_memory_plan_keeps_to_the_gpu_cap(monkeypatch):
     assert gpu_available_bytes(cuda) == pytest.approx(cap - reserved, abs=1)
     cfg = resolve(load_config(None, ["--hw.gpu_memory_gb=24"]), tokenizer_vocab=512)
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     plan = plan_memory(model, cfg, 1, cuda, 2, 1, host_capacity=100e9)
     # A capped run allocates with expandable segments: less is lost to fragmentation.
     assert plan.gpu_capacity == pytest.approx((cap - reserved) * GPU_USABLE_EXPANDABLE, abs=1)

@@ -4,15 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from holotrain.model import Llama, LlamaArgs
-from holotrain.model import llama
+from holotrain.model import Decoder, ModelArgs, build
+from holotrain.model import parts
 
-ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100, max_seq_len=64)
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100, max_seq_len=64)
 
 
-def small_model(args: LlamaArgs = ARGS, seed: int = 0) -> Llama:
+def small_model(args: ModelArgs = ARGS, seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
-    return Llama(args).eval()
+    return build(args).eval()
 
 
 def packed(lengths: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -68,18 +68,18 @@ def test_single_document_equals_fast_path():
 def test_doc_positions():
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
     expected = torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]])
-    assert torch.equal(llama.doc_positions(doc_ids), expected)
+    assert torch.equal(parts.doc_positions(doc_ids), expected)
 
 
 def test_doc_attn_mask():
-    mask = llama.doc_attn_mask(torch.tensor([[0, 0, 1]]))
+    mask = parts.doc_attn_mask(torch.tensor([[0, 0, 1]]))
     expected = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
     assert mask.shape == (1, 1, 3, 3) and torch.equal(mask[0, 0], expected)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention path needs CUDA")
 def test_flex_matches_sdpa_mask_on_cuda(monkeypatch):
-    args = LlamaArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=100, max_seq_len=256)
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=100, max_seq_len=256)
     model = small_model(args).cuda().train()
     # Two rows, lengths not multiples of flex's 128-token blocks, the second with a padding tail.
     rows = [[50, 70, 60, 20], [3, 150, 47]]
@@ -97,7 +97,7 @@ def test_flex_matches_sdpa_mask_on_cuda(monkeypatch):
         return logits.float(), loss.float(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     flex = run()
-    monkeypatch.setattr(llama, "doc_block_mask", llama.doc_attn_mask)  # the SDPA boolean-mask reference
+    monkeypatch.setattr(parts, "doc_block_mask", parts.doc_attn_mask)  # the SDPA boolean-mask reference
     ref = run()
 
     def rel(a, b):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from holotrain.model import Llama, LlamaArgs
+from holotrain.model import ModelArgs, build
 from holotrain.model.head import fused_linear_cross_entropy
 
 
@@ -29,16 +29,16 @@ def test_fused_head_matches_the_plain_cross_entropy_and_its_gradients():
 
 def test_a_model_with_a_chunked_loss_trains_like_the_whole_loss():
     """memory.loss_chunk_tokens > 0 takes the fused path: loss and every parameter's gradient as with no chunks."""
-    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100, max_seq_len=32)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100, max_seq_len=32)
     torch.manual_seed(0)
     tokens = torch.randint(0, 100, (3, 33))
     tokens[1, 5:9] = -100
     inputs, targets = tokens[:, :-1].clamp_min(0), tokens[:, 1:]
     grads = []
     for chunk in (0, 40):
-        model = Llama(args)
+        model = build(args)
         model.init_weights(seed=1)
-        model.loss_chunk_tokens = chunk
+        model.hooks.install("loss_chunk_tokens", chunk, "memory")
         loss = model(inputs, targets)
         loss.backward()
         grads.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))

@@ -1,13 +1,15 @@
 import pytest
 import torch
 
-from holotrain.model import PRESETS, Llama, LlamaArgs, flops_per_token, num_params
+from holotrain.model.families.llama import PRESETS
+from holotrain.model import Decoder, ModelArgs, build, num_params
+from holotrain.model.costs import flops_per_token
 from holotrain.model.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 
 transformers = pytest.importorskip("transformers")
 
 
-def hf_twin(model: Llama):
+def hf_twin(model: Decoder):
     cfg = transformers.LlamaConfig(**hf_config_dict(model.args))
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.load_state_dict(to_hf_state_dict(model.state_dict()), strict=True)
@@ -17,14 +19,14 @@ def hf_twin(model: Llama):
 @pytest.mark.parametrize(
     "args",
     [
-        LlamaArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=352, vocab_size=512, max_seq_len=64),
-        LlamaArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=6, ffn_dim=256, vocab_size=300, max_seq_len=48,
+        ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=352, vocab_size=512, max_seq_len=64),
+        ModelArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=6, ffn_dim=256, vocab_size=300, max_seq_len=48,
                   rope_theta=500000.0, norm_eps=1e-6),
     ],
 )
 def test_logits_match_transformers(args):
     torch.manual_seed(0)
-    model = Llama(args).eval()
+    model = build(args).eval()
     # Perturb norms away from 1 so their weights are exercised too.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -39,8 +41,8 @@ def test_logits_match_transformers(args):
 
 
 def test_loss_matches_manual_cross_entropy():
-    args = LlamaArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100, max_seq_len=16)
-    model = Llama(args)
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100, max_seq_len=16)
+    model = build(args)
     x = torch.randint(0, 100, (2, 16))
     y = torch.randint(0, 100, (2, 16))
     expected = torch.nn.functional.cross_entropy(model(x).reshape(-1, 100), y.reshape(-1))
@@ -48,16 +50,16 @@ def test_loss_matches_manual_cross_entropy():
 
 
 def test_hf_names_round_trip():
-    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100, max_seq_len=16)
-    sd = Llama(args).state_dict()
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100, max_seq_len=16)
+    sd = build(args).state_dict()
     back = from_hf_state_dict(to_hf_state_dict(sd))
     assert back.keys() == sd.keys()
 
 
 def test_param_and_flop_counts_1_4b():
-    args = LlamaArgs(**{**PRESETS["1.4b"].__dict__, "max_seq_len": 2048})
+    args = ModelArgs(**{**PRESETS["1.4b"].__dict__, "max_seq_len": 2048})
     with torch.device("meta"):
-        model = Llama(args)
+        model = build(args)
     d, L, f, V = 2048, 24, 5632, 32000
     per_layer = 4 * d * d + 3 * d * f + 2 * d
     assert num_params(model) == L * per_layer + 2 * V * d + d
@@ -66,7 +68,7 @@ def test_param_and_flop_counts_1_4b():
 
 
 def test_gqa_flops_count_smaller_kv_projections():
-    a = LlamaArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512, vocab_size=1000, max_seq_len=64)
+    a = ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512, vocab_size=1000, max_seq_len=64)
     hd = 32
     linear = 2 * (256 * 256 * 2 + 256 * 2 * hd * 2 + 3 * 256 * 512) + 256 * 1000
     assert flops_per_token(a, 64) == 6 * linear + 12 * 2 * 256 * 64

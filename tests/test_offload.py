@@ -632,7 +632,7 @@ def test_plan_numbers_for_a_7b_on_a_24_gib_gpu():
     """The fit check's arithmetic with given capacities (no GPU needed): 7B offloaded to a 24 GiB GPU."""
     from holotrain.config import load_config, resolve
     from holotrain.memory.plan import check_fit, plan_memory
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.train import model_args
 
     def cfg_with(*extra):
@@ -642,7 +642,7 @@ def test_plan_numbers_for_a_7b_on_a_24_gib_gpu():
     cuda, gib = torch.device("cuda"), 2**30
     cfg = cfg_with("--memory.offload=true", "--memory.activation_checkpointing=full")
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     plan = plan_memory(model, cfg, 1, cuda, 4, 2, gpu_capacity=24 * gib, host_capacity=140e9)
     assert plan.n_offloaded > 6.7e9 and plan.gpu_fits and plan.host_fits
     assert plan.host_bytes_per_param == 18  # master 4 + moments 8 + bf16 staging 2 + fp32 accumulator 4
@@ -672,7 +672,7 @@ def test_auto_offload_ratio_is_the_smallest_that_fits():
     when no ratio fits."""
     from holotrain.config import ConfigError, load_config, resolve
     from holotrain.memory.plan import choose_offload_ratio, plan_memory
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.train import model_args
 
     cfg = resolve(load_config(None, ["--model.dim=5120", "--model.n_layers=44", "--model.n_heads=40",
@@ -684,7 +684,7 @@ def test_auto_offload_ratio_is_the_smallest_that_fits():
     cuda = torch.device("cuda")
     caps = {"gpu_capacity": 132e9, "host_capacity": 112.5e9}
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     ratio = choose_offload_ratio(model, cfg, 1, cuda, 4, 1, **caps)
     fits = [(p.gpu_fits, p.host_fits) for p in (plan_memory(model, cfg, 1, cuda, 4, 1, ratio=r, **caps)
                                                for r in (ratio - 0.01, ratio))]
@@ -710,9 +710,9 @@ def test_auto_offload_ratio_keeps_the_runs_own_ratio_on_resume(tmp_path):
 def test_chunked_loss_matches_the_whole_loss_and_keeps_one_piece_of_logits():
     """memory.loss_chunk_tokens: the same mean (ignored targets included) and gradients, and the logits of one
     piece saved for backward instead of the micro-batch's."""
-    from holotrain.model import Llama, LlamaArgs
+    from holotrain.model import ModelArgs, build
 
-    model = Llama(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512,
+    model = build(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512,
                             max_seq_len=64))
     model.init_weights(seed=3)
     tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
@@ -721,7 +721,7 @@ def test_chunked_loss_matches_the_whole_loss_and_keeps_one_piece_of_logits():
 
     def run(chunk):
         model.zero_grad()
-        model.loss_chunk_tokens = chunk
+        model.hooks.install("loss_chunk_tokens", chunk, "memory")
         largest = 0
 
         def pack(t):

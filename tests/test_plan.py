@@ -96,7 +96,7 @@ def test_nothing_fits_names_the_smallest_memory_it_would_need(tmp_path):
 def test_cost_model_rules():
     """Young/Daly and a save's blocking time; FP8 keeps fewer activations; a clipped offloaded step exposes more of
     the CPU step than one that speculates; activation checkpointing costs a recomputed forward."""
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.memory.activation_checkpointing import recompute_share
     from holotrain.plan.cost import Calibration, Machine, predict, with_settings, young_daly_steps
     from holotrain.plan.planner import job_config
@@ -105,7 +105,7 @@ def test_cost_model_rules():
     assert young_daly_steps(0.5, 24.0, 0.3) == round((2 * 0.5 * 24 * 3600) ** 0.5 / 0.3)
     cfg = job_config("1.4b", [])
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     gpu = Machine("cuda", "H200", 141e9, 134e9, 120e9, 660e12, 989e12, 5e9, 45e9, 700.0, True)
     calib = Calibration(fp8_gain=1.2)
 
@@ -243,7 +243,7 @@ def test_a_trial_that_waited_for_data_sets_the_loader_rate_and_the_plan_raises_d
     """A trial whose steps waited for the data plane: its loaders' rate is measured from it, the compute terms are
     fitted to the step without the wait, and a setting the plane cannot keep up with is predicted at the plane's
     pace and gets the loaders it needs."""
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.plan.cost import Calibration, Machine, predict, with_settings
     from holotrain.plan.planner import Candidate, calibrate, job_config, loaders_needed
     from holotrain.plan.trials import Measured
@@ -251,7 +251,7 @@ def test_a_trial_that_waited_for_data_sets_the_loader_rate_and_the_plan_raises_d
 
     cfg = job_config(None, ["--data.workers=2"])
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     cpu = Machine("cpu", "test", None, None, 16e9, 50e9, None, 1e8, 5e9, None, False)
     calib = Calibration()
 
@@ -370,7 +370,7 @@ def test_the_14b_setting_that_trained_at_146_gb_counts_as_fitting_an_h200():
     planner, on that H200's probe, must count it as fitting, and it does only with expandable segments' share."""
     import json
 
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.plan.cost import Calibration, Machine, predict, with_settings
     from holotrain.plan.planner import job_config
     from holotrain.train.resolve import model_args
@@ -380,7 +380,7 @@ def test_the_14b_setting_that_trained_at_146_gb_counts_as_fitting_an_h200():
                 "memory.offload_ratio": 0.5, "memory.loss_chunk_tokens": 0}
     cfg = with_settings(job_config("14b", []), settings)
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     p = predict(model, cfg, machine, Calibration(fp8_gain=1.45), 4, 1)
     assert p.fits and machine.gpu_memory < p.gpu_bytes < 145.8e9
 
@@ -390,7 +390,7 @@ def test_memory_model_against_measured_peaks(config, settings, measured):
     """The memory plan's GPU peak for settings measured on an H200: within 10% (the planner's acceptance)."""
     from holotrain.config import batch_layout
     from holotrain.memory.plan import plan_memory
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.plan.cost import with_settings
     from holotrain.plan.planner import job_config
     from holotrain.train.resolve import model_args
@@ -400,7 +400,7 @@ def test_memory_model_against_measured_peaks(config, settings, measured):
         settings = {"memory.activation_checkpointing": "none", **settings}
     cfg = with_settings(cfg, settings)
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     micro, accum = batch_layout(cfg, 1)
     plan = plan_memory(model, cfg, 1, torch.device("cuda"), micro, accum, gpu_capacity=140e9, host_capacity=120e9,
                        local_ranks=1)

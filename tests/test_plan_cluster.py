@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from holotrain.errors import ConfigError
-from holotrain.model.llama import LlamaArgs
+from holotrain.model import ModelArgs
 from holotrain.plan.cluster import (
     Layout,
     _cut,
@@ -30,8 +30,8 @@ from holotrain.plan.pipeline import (
 )
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "holotrain" / "configs" / "clusters"
-LLAMA3_8B = LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
-LLAMA3_70B = LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
+LLAMA3_8B = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
+LLAMA3_70B = ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
 SEQ = 8192
 # Small menus keep the planner's tests fast; the bench tries them all.
 FEW = {"micro_choices": (1, 2), "ac_policies": ("none", "full"), "refine": 8}

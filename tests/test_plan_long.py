@@ -13,14 +13,14 @@ H200 = json.loads((REPO / "bench/data/plan-h200/machine.json").read_text())
 
 
 def _job(seq_len: int, batch: int = 1, config: str = "1.4b", **settings):
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.plan.cost import with_settings
     from holotrain.plan.planner import job_config
     from holotrain.train.resolve import model_args
 
     cfg = with_settings(job_config(config, [f"--data.seq_len={seq_len}", f"--training.batch_size={batch}"]), settings)
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     return cfg, model
 
 
@@ -69,8 +69,8 @@ def test_at_128k_the_plan_needs_checkpointing_and_counts_what_grows_with_the_seq
 def test_attention_takes_a_growing_share_of_the_predicted_step():
     """Attention's T x T work per token grows with T and the GEMMs' does not: its predicted share of the step rises
     from 2k to 128k; the step's parts add up to it; MFU's FLOPs keep the full-square convention (flops_per_token)."""
-    from holotrain.model import flops_per_token
-    from holotrain.model.llama import attention_flops_per_token
+    from holotrain.model.costs import flops_per_token
+    from holotrain.model.costs import attention_flops_per_token
     from holotrain.plan.cost import Calibration, predict
     from holotrain.train.resolve import model_args
 

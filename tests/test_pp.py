@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from holotrain.errors import ConfigError
-from holotrain.model import PRESETS, Llama, LlamaArgs, flops_per_token
+from holotrain.model.families.llama import PRESETS
+from holotrain.model import ModelArgs, build
+from holotrain.model.costs import flops_per_token
 from holotrain.parallel.pp import (SCHEDULES, rank_stages, stage_bounds, stage_model, stages_per_rank,
                                    unit_costs)
 from tests.conftest import REPO
@@ -74,7 +76,7 @@ def test_an_expensive_head_moves_blocks_off_the_last_stage():
 
 
 def test_unit_costs_count_the_model_flops_and_take_measured_costs():
-    args = LlamaArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=512, max_seq_len=64)
+    args = ModelArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=512, max_seq_len=64)
     costs = unit_costs(args, 64)
     assert len(costs) == args.n_layers + 2 and len(set(costs[1:-1])) == 1
     assert costs[-1] == 6 * args.dim * args.vocab_size
@@ -122,9 +124,9 @@ def test_stage_models_keep_the_plain_names_and_chain_to_the_plain_loss():
     """Each stage's state_dict is the plain model's restricted to its units (so checkpoints reshard across
     pipeline degrees), the stages together hold every parameter once, and run one after another on packed
     documents they give the plain model's loss and gradients."""
-    args = LlamaArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=16)
+    args = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=16)
     torch.manual_seed(0)
-    plain = Llama(args)
+    plain = build(args)
     g = torch.Generator().manual_seed(1)
     tokens, targets = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
     targets[:, -3:] = -100
@@ -161,7 +163,7 @@ def test_stage_models_keep_the_plain_names_and_chain_to_the_plain_loss():
 
 
 def test_stage_model_refuses_tied_embeddings():
-    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=16,
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=16,
                      tie_embeddings=True)
     with pytest.raises(ConfigError, match="tie_embeddings"):
-        stage_model(Llama(args), 0, 2)
+        stage_model(build(args), 0, 2)

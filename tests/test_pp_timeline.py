@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from holotrain.model import Llama, LlamaArgs
+from holotrain.model import Decoder, ModelArgs, build
 from holotrain.parallel.pp import SCHEDULES, ZERO_BUBBLE, Pipeline, rank_stages, stage_bounds, stage_model, \
     stages_per_rank, unit_costs
 from holotrain.parallel.pp_timeline import StageTimeline, bubble_figures, write
@@ -21,7 +21,7 @@ from holotrain.plan.pipeline import bubble_share_formula, predicted_bubble_share
 from holotrain.profile.report.pipeline import pipeline_section, timeline_chart
 
 T, M = 16, 4  # tokens per row, micro-batches (one row each)
-ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=T)
+ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=T)
 METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
@@ -44,12 +44,12 @@ def pp_mesh(tmp_path_factory):
 @pytest.fixture(scope="module")
 def base():
     torch.manual_seed(0)
-    model = Llama(ARGS)
+    model = build(ARGS)
     model.init_weights(seed=3)
     return model
 
 
-def pipeline(base: Llama, mesh, schedule: str) -> Pipeline:
+def pipeline(base: Decoder, mesh, schedule: str) -> Pipeline:
     n = stages_per_rank(schedule)
     bounds = stage_bounds(unit_costs(ARGS, T), n)
     ids = rank_stages(0, 1, schedule)

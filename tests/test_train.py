@@ -107,11 +107,11 @@ def test_export_loads_in_transformers_with_same_logits(reference_run, tmp_path):
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
 
     from holotrain.config import load_config
-    from holotrain.model import Llama
+    from holotrain.model import build
     from holotrain.train import model_args
     from holotrain.train.checkpoint import load_model_weights
 
-    ours = Llama(model_args(load_config(reference_run / "config.toml"))).eval()
+    ours = build(model_args(load_config(reference_run / "config.toml"))).eval()
     load_model_weights(latest_checkpoint(reference_run), ours)
     tokens = torch.randint(0, ours.args.vocab_size, (2, 32))
     with torch.no_grad():

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from holotrain.config import ParallelConfig  # noqa: E402
-from holotrain.model import Llama, LlamaArgs  # noqa: E402
+from holotrain.model import ModelArgs, build  # noqa: E402
 from holotrain.parallel.overlap import TPComm, ag_linear, linear_rs  # noqa: E402
 from holotrain.parallel.teardown import destroy_process_groups, leftover_backend_threads  # noqa: E402
 from holotrain.parallel.tp import _VocabParallelCrossEntropy, apply_tp  # noqa: E402
@@ -88,12 +88,12 @@ def main():
     close("vocab-parallel cross-entropy grad", local.grad, full.grad[:, rank * vl:(rank + 1) * vl], 1e-6)
 
     # The whole model: TP over 2 ranks against the dense model, same seed, packed documents, ignored targets.
-    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=16)
-    dense = Llama(args)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=16)
+    dense = build(args)
     dense.init_weights(seed=7)
     mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("tp",))
     with torch.device("meta"):
-        model = Llama(args)
+        model = build(args)
     try:  # the config's parallel section, not the overlap mode alone
         apply_tp(model, mesh, "none")
         raise AssertionError("apply_tp took a string for the parallel section")
@@ -140,9 +140,9 @@ def teardown_cycle(cycle: int) -> None:
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     W = dist.get_world_size()
     mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("tp",))
-    args = LlamaArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=16, vocab_size=16, max_seq_len=8)
+    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=16, vocab_size=16, max_seq_len=8)
     with torch.device("meta"):
-        model = Llama(args)
+        model = build(args)
     apply_tp(model, mesh, ParallelConfig(tp=W, tp_overlap="none"))
     model.to_empty(device="cpu")
     model.init_weights(seed=cycle)

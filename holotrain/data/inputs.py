@@ -26,7 +26,7 @@ from holotrain.data.sources import FORMATS, Chunk, ChunkText, SourceConfig, read
 from holotrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from holotrain.config import DataConfig
+    from holotrain.data.config import DataConfig
 
 SAMPLE_RECORDS = 1000
 SAMPLE_BYTES = 4 << 20

@@ -17,8 +17,9 @@ from holotrain.data.shm import shm_prefix
 from holotrain.jsonl import truncate_jsonl
 
 if TYPE_CHECKING:
-    from holotrain.config import DataConfig
+    from holotrain.data.config import DataConfig
     from holotrain.parallel import DistEnv
+    from holotrain.parallel.dims import ParallelDims
 
 STAT_FIELDS = ("tokens_by_source", "skipped", "skip_examples", "padding", "cost_max_over_mean", "workers",
                "worker_restarts")
@@ -31,9 +32,8 @@ class Layout:
     global_batch: int  # sequences per optimizer step, all ranks
     micro: int  # sequences per rank per forward
     accum: int  # micro-batches per step
-    tp: int  # ranks that read the same batch: a tensor- and context-parallel group (tp x cp adjacent ranks)
     seed: int
-    pp: int = 1  # pipeline stages: their ranks, world_size / pp apart (the mesh's outermost dimension), read it too
+    dims: ParallelDims  # which ranks read the same rows (parallel/dims.py)
 
 
 class Data:
@@ -51,7 +51,7 @@ class Data:
             eos_id=eos_id, pad_id=pad_id, seq_len=section.seq_len,
             global_batch=layout.global_batch, world_size=env.world_size,
             local_ranks=list(range(node_first, node_first + env.local_world_size)), micro_batch=layout.micro,
-            tp=layout.tp, pp=layout.pp, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
+            dims=layout.dims, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
             chunk_bytes=int(section.chunk_mb * 2**20), prefetch_steps=section.prefetch_steps,
             balance=section.balance, balance_window=section.balance_window, shuffle=section.shuffle,
             log_samples=section.log_samples,

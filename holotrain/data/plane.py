@@ -34,6 +34,7 @@ from holotrain.data.shm import shm_prefix  # noqa: F401 - callers find it here t
 from holotrain.data.sources import SourceConfig, plan_chunks, source_files
 from holotrain.data.worker import ignore_stop_signals, read_block, start_light, worker_main
 from holotrain.errors import ConfigError
+from holotrain.parallel.dims import ParallelDims
 
 
 @dataclass
@@ -59,10 +60,9 @@ class PlaneSpec:
     log_samples: bool = False
     backend: str = "local"  # local processes, or "ray" actors
     ray_address: str = ""  # empty: start a Ray instance on this node
-    tp: int = 1  # ranks per tensor-parallel group: ranks tp*i .. tp*i+tp-1 are data-parallel rank i, one batch
-    # Pipeline stages: the ranks of stage s are the block s*world/pp .. (s+1)*world/pp-1 (the device mesh puts "pp"
-    # outermost), each block's tensor-parallel groups reading data-parallel ranks 0 .. dp-1 in order.
-    pp: int = 1
+    # The job's parallel layout (parallel/dims.py): which ranks share rows (a tensor- and context-parallel group, every
+    # pipeline stage). None: plain data parallelism over world_size ranks.
+    dims: ParallelDims | None = None
     # Cost-aware step formation (packing.StepFormer): micro-batches chosen from this many steps of ready samples; no
     # sample trains more than this many steps after its turn in order.
     balance_window: int = 4
@@ -345,7 +345,8 @@ class Constructor:
         self.mixture = Mixture([s.weight for s in spec.sources], [s.weight_schedule for s in spec.sources])
         self.packer = Packer(spec.seq_len + 1, max_open=max(8, 2 * spec.global_batch))
         self.step = 0  # steps produced
-        dp = spec.world_size // (spec.tp * spec.pp)  # data-parallel ranks; a tp and pp group shares one batch
+        self.dims = spec.dims or ParallelDims(world=spec.world_size)
+        dp = self.dims.dp
         rows = spec.global_batch // dp // spec.accum  # samples per rank per micro-batch
         self.former = StepFormer(self.packer, dp, rows, spec.accum, spec.balance_window) if spec.balance and dp > 1 else None
 
@@ -358,7 +359,7 @@ class Constructor:
     def produce(self) -> dict:
         """The next step's batch for every rank of this node, and what it is made of."""
         spec, n = self.spec, self.spec.global_batch
-        dp = spec.world_size // (spec.tp * spec.pp)
+        dp = self.dims.dp
         if self.former is not None:
             while self.former.wants():
                 self._read_document()
@@ -377,7 +378,7 @@ class Constructor:
         peak, mean = sum(max(m) for m in loads), sum(sum(m) / len(m) for m in loads)
         out = {"ranks": {}, "cost_max_over_mean": peak / mean if mean else 1.0}
         for rank in spec.local_ranks:
-            rank_bins = ranks[(rank // spec.tp) % dp]
+            rank_bins = ranks[self.dims.dp_index(rank)]
             inputs, targets, doc_ids = sample_arrays(rank_bins, spec.seq_len + 1, spec.pad_id)
             samples = [[list(p.key) for p in b.pieces] for b in rank_bins] if spec.log_samples else None
             out["ranks"][rank] = {"arrays": (inputs, targets, doc_ids), "samples": samples}

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from holotrain.config import HwConfig
+    from holotrain.hw.config import HwConfig
     from holotrain.parallel import DistEnv
 
 HW_FIELDS = ("hw.sm_clock_mhz", "hw.mem_clock_mhz", "hw.power_w", "hw.temp_c", "hw.power_capped_frac", "hw.util_gpu")

@@ -7,7 +7,7 @@ plain model and builds the optimizer (on the device, or the offload engine with 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from holotrain.memory.activation_offload import ActivationOffload
 from holotrain.optim import AdamWHyper, DeviceAdamW, StepOptimizer
 
 if TYPE_CHECKING:
-    from holotrain.config import Config, MemoryConfig
+    from holotrain.memory.config import MemoryConfig
     from holotrain.parallel import DistEnv
 
 __all__ = ["Memory", "apply_activation_checkpointing", "build", "build_optimizer"]
@@ -44,7 +44,7 @@ class Memory:
         self.section, self.env = section, env
         self.activation_offload: ActivationOffload | None = None
 
-    def check_fit(self, model: nn.Module, cfg: Config, micro: int, accum: int) -> None:
+    def check_fit(self, model: nn.Module, cfg: Any, micro: int, accum: int) -> None:  # cfg: the resolved job config
         """memory.check_fit: refuses, with the numbers and what would fit, a plan that cannot fit GPU or host memory.
         The plan is the job's cost model, so it reads the whole resolved config (model shape, batch, dtype)."""
         if self.section.check_fit:
@@ -60,8 +60,9 @@ class Memory:
         if self.section.activation_offload_blocks:
             self.activation_offload = ActivationOffload(self.section.activation_offload_blocks, len(model.layers),
                                                         self.env.device, announce=self.env.is_main)
-            model.around_block = self.activation_offload.run_block
-        model.loss_chunk_tokens = 0 if vocab_parallel_loss else plan.chunk_tokens(self.section)
+            model.hooks.install("run_block", self.activation_offload.run_block, "memory")
+        model.hooks.install("loss_chunk_tokens", 0 if vocab_parallel_loss else plan.chunk_tokens(self.section),
+                            "memory")
 
     @property
     def host_built(self) -> bool:

@@ -81,11 +81,11 @@ def recompute_share(policy: str, n_layers: int, blocks_share: float = 1.0, block
     return (pointwise + whole / 3) * blocks_share
 
 
-def pointwise_kept_share(dim: int, kv_dim: int, ffn_dim: int) -> float:
+def pointwise_kept_share(dim: int, q_dim: int, kv_dim: int, ffn_dim: int) -> float:
     """The share of a block's activations that a "pointwise" block keeps. Per token a block keeps its input, two
     norms' outputs, q/k/v, the attention's output, the residual sum, gate, up and their product; "pointwise" keeps
     its input, q/k/v, the attention's and the output projection's outputs, gate and up."""
-    return (4 * dim + 2 * kv_dim + 2 * ffn_dim) / (6 * dim + 2 * kv_dim + 3 * ffn_dim)
+    return (2 * dim + 2 * q_dim + 2 * kv_dim + 2 * ffn_dim) / (4 * dim + 2 * q_dim + 2 * kv_dim + 3 * ffn_dim)
 
 
 @functools.cache

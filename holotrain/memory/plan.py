@@ -29,6 +29,8 @@ from torch import nn
 
 from holotrain.errors import ConfigError
 from holotrain.memory.activation_checkpointing import checkpointed_blocks, pointwise_blocks, pointwise_kept_share
+from holotrain.model.costs import block_saved_values
+from holotrain.model.registry import model_args
 from holotrain.precision.lever import FP8_ACTIVATIONS
 
 GPU_USABLE = 0.95  # of free GPU memory: the caching allocator's fixed-size segments lose some to fragmentation
@@ -248,8 +250,9 @@ def cp_mode(cfg) -> str:
 
 
 def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_probs: bool = False) -> Activations:
-    """Estimate of one micro-batch's activations on one rank. A block keeps about 7*dim + 2*ffn values per token
-    (SAVED_BYTES with its backward's buffers), its attention's fp32 logsumexp (heads per token) and the bf16 casts of
+    """Estimate of one micro-batch's activations on one rank. A block keeps the values per token its family's
+    description counts (model/costs.py block_saved_values: 7*dim + 2*ffn for a Llama of equal heads; SAVED_BYTES with
+    its backward's buffers), its attention's fp32 logsumexp (heads per token) and the bf16 casts of
     its weights (`block_weights`: the device-resident fp32 weights of all blocks; a bf16 working copy needs no cast); a
     checkpointed block keeps only its input and one at a time is recomputed. FP8 blocks keep FP8_ACTIVATIONS of that
     and no weight casts. With `attention_probs` (a CPU, where the attention is not one fused kernel) a block also keeps
@@ -260,9 +263,10 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     m, compiled = cfg.model, cfg.training.compile
     seq, cp = cfg.data.seq_len, cp_size(cfg)
     tokens = micro * seq / cp  # this rank's
-    head_dim = m.dim // m.n_heads
+    args = model_args(m)
+    head_dim = args.head_dim
     ac, blocks = cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks
-    per_block = tokens * elem_bytes * (7 * m.dim + 2 * m.ffn_dim) * SAVED_BYTES
+    per_block = tokens * elem_bytes * block_saved_values(args) * SAVED_BYTES
     lse = tokens * m.n_heads * LSE_BYTES
     probs = tokens * elem_bytes * m.n_heads * seq if attention_probs else 0.0
     recomputed_at = set(checkpointed_blocks(ac, m.n_layers, blocks))
@@ -276,13 +280,13 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     # FP8 linears keep their inputs cast; a "pointwise" block recomputes those casts, and the matmuls' outputs it
     # keeps are in the compute dtype: the 14B's peak, FP8 with "pointwise" and with selective, decided it.
     fp8 = FP8_ACTIVATIONS if fp8_on else 1.0
-    lean_share = pointwise_kept_share(m.dim, m.n_kv_heads * m.dim // m.n_heads, m.ffn_dim)
+    lean_share = pointwise_kept_share(m.dim, args.q_dim, args.kv_dim, m.ffn_dim)
     cast = 0 if fp8_on or elem_bytes == 4 else WEIGHT_CAST_BYTES * block_weights / m.n_layers  # one block's
     # The delayed recipe also keeps forward's FP8 transposes for backward: of each distinct linear input (the
     # attention's and the FFN's inputs, the attention output, the SwiGLU product) and of each weight, one byte a
     # value (the 1.4b at micro-batch 8: 5.86 GB of 42.3 measured).
     if cfg.training.fp8 == "delayed":
-        cast = tokens * (3 * m.dim + m.ffn_dim) + block_weights / m.n_layers
+        cast = tokens * (2 * m.dim + args.q_dim + m.ffn_dim) + block_weights / m.n_layers
 
     def kept(n_plain: int, n_lean: int) -> float:
         return (n_plain * ((per_block + probs) * fp8 + lse) + n_lean * (per_block * lean_share + probs + lse)
@@ -321,7 +325,7 @@ def cp_buffers(cfg, micro: int, elem_bytes: int) -> float:
     if cp == 1:
         return 0.0
     m, tp = cfg.model, cfg.parallel.tp
-    head_dim = m.dim // m.n_heads
+    head_dim = model_args(m).head_dim
     local = micro * cfg.data.seq_len / cp  # tokens of the micro-batch on this rank
     q = local * m.n_heads / tp * head_dim  # values of this rank's q (or the attention's output)
     kv = local * m.n_kv_heads / tp * head_dim  # values of one of its K, V
@@ -392,7 +396,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     acts = activations(cfg, micro, elem, block_weights, attention_probs=not cuda)
     gathered = 2 * biggest * elem if world_size > 1 else 0  # FSDP2 keeps about two blocks unsharded
     m = cfg.model
-    rope = 2 * (m.max_seq_len or cfg.data.seq_len) * (m.dim // m.n_heads) * 4  # the fp32 cos and sin buffers
+    rope = 2 * (m.max_seq_len or cfg.data.seq_len) * model_args(m).head_dim * 4  # the fp32 cos and sin buffers
 
     host_per_param = {"fp32 master": 4, "AdamW moments": 8, "gradient staging (pinned)" if cuda else "gradient staging": working}
     if accum > 1 and world_size == 1:

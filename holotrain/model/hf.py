@@ -1,5 +1,6 @@
-"""Name and config mapping between holotrain's Llama and Hugging Face's Llama-architecture models (LlamaForCausalLM,
-MistralForCausalLM without a sliding window, Qwen2ForCausalLM): parameter names, and config.json both ways."""
+"""Name and config mapping between holotrain's decoder and Hugging Face's models of the registered families
+(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM): parameter names, and config.json both
+ways: the keys every family shares here, each family's own in its module (model/families)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import re
 import torch
 
 from holotrain.errors import ConfigError
-from holotrain.model.llama import ROPE_TYPES, LlamaArgs
+from holotrain.model.args import ModelArgs
+from holotrain.model.registry import family_for_hf, family_of
+from holotrain.model.rope import ROPE_TYPES
 
 _LAYER_NAMES = {
     "attention.wq": "self_attn.q_proj",
     "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
     "feed_forward.w1": "mlp.gate_proj",
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
@@ -30,10 +35,6 @@ _TOP_NAMES = {
 YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 _FROM_HF_LAYER = {hf: ours for ours, hf in _LAYER_NAMES.items()}
 _FROM_HF_TOP = {hf: ours for ours, hf in _TOP_NAMES.items()}
-
-# model_type -> the architecture name transformers knows it by.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
 
 def _rename(name: str, top: dict, layer: dict, source: str, target: str) -> str | None:
     """A parameter name in the other convention: top-level names by `top`, block names by `layer` (the block's
@@ -75,12 +76,9 @@ def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def model_fields_from_hf(config: dict, where: str) -> dict:
-    """The `model.*` values (LlamaArgs fields) of a Hugging Face config.json, or a ConfigError naming the key that
+    """The `model.*` values (ModelArgs fields) of a Hugging Face config.json, or a ConfigError naming the key that
     holotrain cannot run as it says. `where`: the file, for the message."""
-    model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ConfigError(f"{where}: model_type {model_type!r} is not supported (supported: "
-                          f"{', '.join(ARCHITECTURES)}: Llama-architecture decoders)")
+    family = family_for_hf(config.get("model_type"), where)
 
     def need(key: str, kind=int, default=None):
         value = config.get(key, default)
@@ -90,28 +88,17 @@ def model_fields_from_hf(config: dict, where: str) -> dict:
         return value
 
     dim, n_heads = need("hidden_size"), need("num_attention_heads")
-    n_kv = need("num_key_value_heads", default=n_heads)
-    head_dim = config.get("head_dim") or dim // n_heads
-    if dim % n_heads or head_dim != dim // n_heads:
-        raise ConfigError(f"{where}: head_dim = {head_dim} is not hidden_size / num_attention_heads = {dim} / "
-                          f"{n_heads} (holotrain's attention needs that)")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
-    window = config.get("sliding_window") if config.get("use_sliding_window", model_type == "mistral") else None
-    if window is not None:
-        raise ConfigError(f"{where}: sliding_window = {window} is not supported (full causal attention only)")
     theta, scaling = rope_settings(config, where)
-    if model_type == "qwen2":  # q, k and v carry biases; the output projection and the MLP do not
-        qkv_bias, out_bias, mlp_bias = True, False, False
-    else:
-        qkv_bias = out_bias = bool(config.get("attention_bias", False))
-        mlp_bias = bool(config.get("mlp_bias", False))
-    return {
+    fields = {
+        "family": family.name,
         "dim": dim,
         "n_layers": need("num_hidden_layers"),
         "n_heads": n_heads,
-        "n_kv_heads": n_kv,
+        "n_kv_heads": need("num_key_value_heads", default=n_heads),
+        "head_dim": config.get("head_dim") or dim // n_heads,
         "ffn_dim": need("intermediate_size"),
         "vocab_size": need("vocab_size"),
         "max_seq_len": need("max_position_embeddings", default=2048),
@@ -119,10 +106,11 @@ def model_fields_from_hf(config: dict, where: str) -> dict:
         "rope_scaling": scaling,
         "norm_eps": float(need("rms_norm_eps", (int, float), 1e-6)),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "qkv_bias": qkv_bias,
-        "out_bias": out_bias,
-        "mlp_bias": mlp_bias,
+        "qkv_bias": False, "out_bias": False, "mlp_bias": False, "qk_norm": False, "sliding_window": 0,
     }
+    fields.update(family.from_hf(config, where))
+    fields.update(family.fixed)
+    return fields
 
 
 def rope_settings(config: dict, where: str) -> tuple[float, dict]:
@@ -148,21 +136,14 @@ def rope_settings(config: dict, where: str) -> tuple[float, dict]:
 # model section -> config.json
 
 
-def hf_config_dict(args: LlamaArgs, dtype: str = "float32") -> dict:
-    """A config.json that transformers loads as the same network: Qwen2ForCausalLM where only q/k/v carry biases,
-    else LlamaForCausalLM. Rope scaling is written in both spellings (transformers 4's rope_scaling, 5's
-    rope_parameters)."""
-    qwen2 = args.qkv_bias and not args.out_bias
-    if qwen2 and args.mlp_bias:
-        raise ConfigError("model: biases on q/k/v and on the MLP but not on the attention output have no Hugging "
-                          "Face architecture to export to")
-    if args.qkv_bias != args.out_bias and not qwen2:
-        raise ConfigError("model: a bias on the attention output without q/k/v biases has no Hugging Face "
-                          "architecture to export to")
-    model_type = "qwen2" if qwen2 else "llama"
+def hf_config_dict(args: ModelArgs, dtype: str = "float32") -> dict:
+    """A config.json that transformers loads as the same network, of the family's architecture. Rope scaling is
+    written in both spellings (transformers 4's rope_scaling, 5's rope_parameters)."""
+    family = family_of(args.family)
+    model_type = family.hf_model_types[0]
     scaling = dict(args.rope_scaling) if args.rope_scaling else None
     config = {
-        "architectures": [ARCHITECTURES[model_type]],
+        "architectures": [family.hf_architecture],
         "model_type": model_type,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_dim,
@@ -181,10 +162,7 @@ def hf_config_dict(args: LlamaArgs, dtype: str = "float32") -> dict:
         "torch_dtype": dtype,
         "dtype": dtype,
     }
-    if qwen2:
-        config.update(use_sliding_window=False, sliding_window=None)
-    else:
-        config.update(attention_bias=args.qkv_bias, mlp_bias=args.mlp_bias)
+    config.update(family.to_hf(args))
     return config
 
 

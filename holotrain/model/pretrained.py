@@ -1,7 +1,7 @@
 """Starting from pretrained weights: `model.init_from = DIR`.
 
 DIR is a Hugging Face model directory (config.json, model.safetensors or shards with model.safetensors.index.json,
-tokenizer.json) of a Llama-architecture model, or one of our own runs (a run directory, or one checkpoint in it,
+tokenizer.json) of a model of a registered family (model/registry.py), or one of our own runs (a run directory, or one checkpoint in it,
 checkpoints/step-N). The model's dimensions come from DIR; the weights are read into the model after it is placed
 (sharded by FSDP2 and/or split by tensor parallelism), each rank reading only its own slice of each tensor from the
 memory-mapped safetensors files, so that no rank holds a whole 7B-14B model in host memory.
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from holotrain.errors import ConfigError
+from holotrain.model.args import FIELDS
 from holotrain.model.hf import from_hf_name, model_fields_from_hf, to_hf_name
 
 if sys.version_info >= (3, 11):
@@ -41,7 +42,7 @@ class Pretrained:
 
     kind: str  # "hf" | "run" (a DCP checkpoint of ours)
     directory: Path
-    fields: dict  # LlamaArgs fields
+    fields: dict  # ModelArgs fields
     tokenizer: Path  # tokenizer.json
     weight_files: dict[str, Path] = field(default_factory=dict)  # hf: our parameter name -> safetensors file
     checkpoint: Path | None = None  # run: the checkpoint directory (None: the run's newest intact one)
@@ -108,7 +109,7 @@ def _weight_map(directory: Path) -> dict[str, Path]:
         try:
             out[from_hf_name(name)] = path
         except KeyError:
-            raise ConfigError(f"{path}: unexpected tensor {name!r} for a Llama-architecture model") from None
+            raise ConfigError(f"{path}: unexpected tensor {name!r} for this model family") from None
     return out
 
 
@@ -118,6 +119,8 @@ def expected_names(fields: dict) -> list[str]:
     for i in range(fields["n_layers"]):
         p = f"layers.{i}."
         names += [p + "attention_norm.weight", p + "ffn_norm.weight"]
+        if fields.get("qk_norm"):
+            names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"]
         for lin, bias in (("wq", "qkv_bias"), ("wk", "qkv_bias"), ("wv", "qkv_bias"), ("wo", "out_bias")):
             names += [f"{p}attention.{lin}.weight"] + ([f"{p}attention.{lin}.bias"] if fields[bias] else [])
         for lin in ("w1", "w2", "w3"):
@@ -145,9 +148,7 @@ def _describe_run(directory: Path) -> Pretrained:
         model = tomllib.loads(config_path.read_text()).get("model", {})
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{config_path}: not valid TOML ({e})") from None
-    from holotrain.model.llama import LlamaArgs
-
-    fields = {k: model[k] for k in LlamaArgs.__dataclass_fields__ if k in model}
+    fields = {k: model[k] for k in FIELDS if k in model}
     return Pretrained("run", run_dir, fields, run_dir / "tokenizer.json", checkpoint=checkpoint)
 
 

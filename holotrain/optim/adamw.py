@@ -13,7 +13,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_state_dict)
 
 if TYPE_CHECKING:
-    from holotrain.config import TrainingConfig
     from holotrain.profile import PhaseClock
 
 
@@ -61,6 +60,16 @@ class StepOptimizer(Protocol):
         """Releases threads and memory; safe to call twice."""
 
 
+class HyperSection(Protocol):
+    """What AdamWHyper reads of the config's `training` section (the trainer's TrainingConfig)."""
+
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip: float
+
+
 @dataclass(frozen=True)
 class AdamWHyper:
     """AdamW's hyperparameters, read once from the training section."""
@@ -71,7 +80,7 @@ class AdamWHyper:
     clip: float  # the gradient norm above which gradients are scaled down; inf: no clipping
 
     @classmethod
-    def from_section(cls, training: TrainingConfig) -> AdamWHyper:
+    def from_section(cls, training: HyperSection) -> AdamWHyper:
         # training.grad_clip = 0 means no clipping: an infinite threshold makes every rule below a no-op.
         clip = training.grad_clip if training.grad_clip > 0 else math.inf
         return cls((training.beta1, training.beta2), training.eps, training.weight_decay, clip)

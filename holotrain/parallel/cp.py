@@ -1,5 +1,5 @@
 """Context parallelism: each sequence split over the ranks of the "cp" mesh dimension, applied to the plain model
-from outside (`model.context_parallel`).
+from outside (the model's sequence hook).
 
 Every rank of a context-parallel group receives the whole micro-batch (the data plane hands one batch to the group)
 and keeps its share of the tokens; everything but attention is per token and runs on that share. Attention spans
@@ -31,14 +31,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from holotrain.errors import ConfigError
-from holotrain.model.llama import SequenceAttention, attention, doc_attn_mask, doc_block_mask, doc_positions
+from holotrain.model.parts import SequenceAttention, attention, attention_mask, doc_positions
 
 MODES = ("auto", "ring", "alltoall")
 
 
-def resolve_mode(mode: str, cp: int, n_heads: int, n_kv_heads: int) -> str:
+def resolve_mode(mode: str, cp: int, n_heads: int, n_kv_heads: int, window: int = 0) -> str:
     """"auto": alltoall where every rank's heads and kv heads divide by cp (one all-to-all per tensor, then the
-    model's own kernels and document masks at full length), else ring."""
+    model's own kernels and document masks at full length), else ring. A sliding window (model.sliding_window) is
+    masked by the alltoall path only."""
+    if window and (mode == "ring" or (mode == "auto" and (n_heads % cp or n_kv_heads % cp))):
+        raise ConfigError(f"model.sliding_window = {window} runs under context parallelism with parallel.cp_mode = "
+                          f"'alltoall' only, which needs the heads ({n_heads}) and kv heads ({n_kv_heads}) of a rank to "
+                          f"divide by parallel.cp = {cp}")
     if mode == "auto":
         return "alltoall" if n_heads % cp == 0 and n_kv_heads % cp == 0 else "ring"
     if mode == "alltoall" and (n_heads % cp or n_kv_heads % cp):
@@ -48,17 +53,18 @@ def resolve_mode(mode: str, cp: int, n_heads: int, n_kv_heads: int) -> str:
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, mode: str, tp: int = 1) -> ContextParallel:
-    """Makes `model` (a holotrain Llama, tensor-parallel or not) split each sequence over `cp_mesh`."""
+    """Makes `model` (a holotrain decoder, tensor-parallel or not) split each sequence over `cp_mesh`."""
     a = model.args
-    cp = ContextParallel(cp_mesh, resolve_mode(mode, cp_mesh.size(), a.n_heads // tp, a.n_kv_heads // tp))
-    model.context_parallel = cp
-    model.sequence_shards *= cp.size  # the hidden state between blocks holds this rank's chunks
+    mode = resolve_mode(mode, cp_mesh.size(), a.n_heads // tp, a.n_kv_heads // tp, a.sliding_window)
+    cp = ContextParallel(cp_mesh, mode, a.sliding_window)
+    model.hooks.install("sequence", cp, "cp")
+    model.hooks.shard_sequence(cp.size, "cp")  # the hidden state between blocks holds this rank's chunks
     return cp
 
 
 class ContextParallel:
-    def __init__(self, mesh: DeviceMesh, mode: str):
-        self.mesh, self.mode = mesh, mode
+    def __init__(self, mesh: DeviceMesh, mode: str, window: int = 0):
+        self.mesh, self.mode, self.window = mesh, mode, window
         self.group = mesh.get_group()
         self.size, self.rank = mesh.size(), mesh.get_local_rank()
         self._index: dict = {}
@@ -89,7 +95,7 @@ class ContextParallel:
         if self.mode == "ring":
             attend = RingAttention(self, doc_ids, T)
         else:
-            attend = AllToAllAttention(self, doc_ids)
+            attend = AllToAllAttention(self, doc_ids, T, tokens.device)
         weight = None
         if targets is not None:
             targets, weight = self.split_targets(targets)
@@ -118,10 +124,10 @@ class ContextParallel:
 
 
 class AllToAllAttention(SequenceAttention):
-    def __init__(self, cp: ContextParallel, doc_ids: torch.Tensor | None):
+    def __init__(self, cp: ContextParallel, doc_ids: torch.Tensor | None, T: int, device: torch.device):
         self.cp = cp
         # The whole row's mask, built once per forward and shared by every block.
-        self.mask = None if doc_ids is None else (doc_block_mask(doc_ids) if doc_ids.is_cuda else doc_attn_mask(doc_ids))
+        self.mask = attention_mask(doc_ids, cp.window, T, device)
 
     @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

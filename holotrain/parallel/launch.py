@@ -70,28 +70,10 @@ def _restart_safe_store(rank: int, world: int) -> dict:
 
 
 def device_mesh(env: DistEnv, tp: int = 1, cp: int = 1, pp: int = 1):
-    """The job's device mesh, built here only: dimensions ("pp", "dp", "cp", "tp"), of which a size-1 one other than
-    "dp" is left out (("dp",) for plain data parallelism). Ranks of one tensor-parallel group are adjacent, then those
-    of one context-parallel group, then the data-parallel replicas of one pipeline stage (rank = ((pp_index * dp +
-    dp_index) * cp + cp_index) * tp + tp_index): the groups that talk most sit on one node's GPUs, and a pipeline's
-    stages, which pass only activations, span nodes. FSDP2 shards over dp and cp together ("dp_cp", see `fsdp_mesh`).
-    None on one process."""
-    if env.world_size == 1 and tp == 1 and cp == 1 and pp == 1:
-        return None
-    for name, n in (("tp", tp), ("cp", cp), ("pp", pp)):
-        if n < 1:
-            raise ConfigError(f"parallel.{name} must be >= 1, got {n}")
-    group = tp * cp * pp
-    what = " x ".join(f"parallel.{k}={n}" for k, n in (("pp", pp), ("cp", cp), ("tp", tp)) if n > 1)
-    if env.world_size == 1:
-        raise ConfigError(f"{what} needs {group} ranks: launch with torchrun --nproc_per_node={group}")
-    if env.world_size % group:
-        raise ConfigError(f"{what} needs a multiple of {group} ranks (world size {env.world_size})")
-    from torch.distributed.device_mesh import init_device_mesh
+    """The device mesh of a layout on this launch (parallel/dims.py builds it); None on one process."""
+    from holotrain.parallel.dims import ParallelDims
 
-    dims = [(name, n) for name, n in (("pp", pp), ("dp", env.world_size // group), ("cp", cp), ("tp", tp))
-            if n > 1 or name == "dp"]
-    return init_device_mesh(env.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+    return ParallelDims(world=env.world_size, pp=pp, cp=cp, tp=tp).build_mesh(env.device.type)
 
 
 def fsdp_mesh(mesh):

@@ -11,38 +11,40 @@ from torch import nn
 
 from holotrain.parallel.cp import apply_cp
 from holotrain.parallel.dp import apply_fsdp
-from holotrain.parallel.launch import DistEnv, device_mesh, fsdp_mesh
-from holotrain.parallel.pp import PipelineModel, rank_stages, stage_bounds, stages_per_rank, unit_costs
+from holotrain.parallel.dims import ParallelDims
+from holotrain.parallel.launch import DistEnv, fsdp_mesh
 from holotrain.parallel.pp_timeline import StageTimeline
+from holotrain.parallel.pp import PipelineModel, rank_stages, stage_bounds, stages_per_rank, unit_costs
 from holotrain.parallel.tp import apply_tp
 
 if TYPE_CHECKING:
-    from holotrain.config import ParallelConfig
-    from holotrain.model import LlamaArgs
+    from holotrain.parallel.config import ParallelConfig
+    from holotrain.model import ModelArgs
 
 
 class Parallel:
     def __init__(self, section: ParallelConfig, env: DistEnv):
         self.section, self.env = section, env
-        self.mesh = device_mesh(env, section.tp, section.cp, section.pp)  # (["pp",] "dp"[, "cp"][, "tp"]); None on one process
+        self.dims = ParallelDims.of(section, env.world_size)  # every size of the layout
+        self.mesh = self.dims.build_mesh(env.device.type)  # (["pp",] "dp"[, "cp"][, "tp"]); None on one process
         self.cp_mode = None  # the context-parallel mode in use, once applied
 
     def apply_tp(self, model: nn.Module) -> None:
         """Splits each block over the tensor-parallel group: first, on the plain model."""
-        if self.section.tp > 1:
+        if self.dims.tp > 1:
             apply_tp(model, self.mesh["tp"], self.section)
 
     def apply_cp(self, model: nn.Module) -> None:
         """Splits each sequence over the context-parallel group: on the plain (or tensor-parallel) model."""
-        if self.section.cp > 1:
-            self.cp_mode = apply_cp(model, self.mesh["cp"], self.section.cp_mode, self.section.tp).mode
+        if self.dims.cp > 1:
+            self.cp_mode = apply_cp(model, self.mesh["cp"], self.section.cp_mode, self.dims.tp).mode
 
     def apply_fsdp(self, model: nn.Module, compute_dtype: torch.dtype) -> None:
         """Shards over the data-parallel ranks: last, after the compute levers (checkpointing, compilation)."""
         if self.env.world_size > 1:
             apply_fsdp(model, fsdp_mesh(self.mesh), compute_dtype, self.section.reshard_after_forward)
 
-    def stage_units(self, args: LlamaArgs, seq_len: int) -> tuple[list[int], list[tuple[int, int]], int]:
+    def stage_units(self, args: ModelArgs, seq_len: int) -> tuple[list[int], list[tuple[int, int]], int]:
         """With parallel.pp > 1 (its schedule resolved): the stages this rank holds, each one's units (first, last)
         of [embedding, blocks, head] in the cost-balanced cut, and the pipeline's number of stages."""
         schedule, pp = self.section.pp_schedule, self.section.pp
@@ -54,11 +56,11 @@ class Parallel:
     def pipeline(self, stage_models: list[nn.Module], stage_ids: list[int], n_stages: int,
                  n_microbatches: int) -> PipelineModel:
         """This rank's stages, every other lever applied to each, as one model driven by the pipeline schedule."""
-        model = PipelineModel(stage_models, stage_ids, n_stages, self.mesh["pp"], self.section.pp_schedule,
-                              n_microbatches, self.env.device)
-        # Each step's stage actions timed (a clock read around each), the latest kept for the logged bubble.
-        model.timeline = StageTimeline(model.pipeline, keep=1).on()
-        return model
+        return PipelineModel(stage_models, stage_ids, n_stages, self.mesh["pp"], self.section.pp_schedule,
+                             n_microbatches, self.env.device,
+                             # Each step's stage actions timed (a clock read around each), the latest kept for the
+                             # logged bubble.
+                             timeline=lambda pipeline: StageTimeline(pipeline, keep=1).on())
 
     def metrics(self, steps: int) -> dict:
         return {}

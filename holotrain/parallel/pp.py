@@ -43,7 +43,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleI
 from torch.distributed.tensor import DTensor
 
 from holotrain.errors import ConfigError
-from holotrain.model.llama import Llama, LlamaArgs, attention_flops_per_token, flops_per_token
+from holotrain.model import Decoder, Hooks, ModelArgs
+from holotrain.model.costs import attention_flops_per_token, flops_per_token
 
 SCHEDULES = ("1f1b", "interleaved", "zb1p", "zbv")
 ZERO_BUBBLE = ("zb1p", "zbv")  # backward split into its input and weight halves
@@ -81,7 +82,7 @@ def rank_stages(pp_rank: int, pp: int, schedule: str) -> list[int]:
     return [pp_rank, pp_rank + pp]
 
 
-def unit_costs(args: LlamaArgs, seq_len: int, attention_density: float = 1.0,
+def unit_costs(args: ModelArgs, seq_len: int, attention_density: float = 1.0,
                measured: list[float] | None = None) -> list[float]:
     """Training cost per token of each unit [embedding, block 0 .. n-1, head], in FLOPs: the blocks' linears and
     their attention (over the causal triangle, times `attention_density` for packed documents: see
@@ -143,7 +144,7 @@ def stage_bounds(costs: list[float], n_stages: int) -> list[tuple[int, int]]:
     return bounds[::-1]
 
 
-def stage_model(model: Llama, first_unit: int, last_unit: int) -> Llama:
+def stage_model(model: Decoder, first_unit: int, last_unit: int) -> Decoder:
     """Prunes the plain `model` in place to the units first_unit .. last_unit (inclusive) of [embedding, blocks,
     head] and returns it: the embedding kept only on the first stage, the final norm and output only on the last,
     blocks outside removed from `layers` while the kept ones keep their keys (the plain model's parameter names).
@@ -156,16 +157,7 @@ def stage_model(model: Llama, first_unit: int, last_unit: int) -> Llama:
     if model.args.tie_embeddings and not whole:
         raise ConfigError("model.tie_embeddings shares the embedding's weight with the head, which pipeline "
                           "parallelism puts on different ranks: untie it or set parallel.pp = 1")
-    if first_unit > 0:
-        model.tok_embeddings = None
-    for key in list(model.layers.keys()):
-        if not first_unit <= int(key) + 1 <= last_unit:
-            del model.layers[key]
-    if last_unit <= n_layers:
-        model.norm = None
-        model.output = None
-    model.pipeline_stage = True
-    return model
+    return model.keep_units(first_unit, last_unit)
 
 
 class Pipeline:
@@ -180,7 +172,7 @@ class Pipeline:
     and the zero-bubble schedules need it (set here).
     """
 
-    def __init__(self, stage_models: list[Llama], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
+    def __init__(self, stage_models: list[Decoder], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
                  schedule: str, n_microbatches: int, device: torch.device | str):
         pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
         if n_stages != pp * stages_per_rank(schedule):
@@ -213,10 +205,10 @@ class Pipeline:
         def micro_batch_loss(h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             # As holotrain's gradient accumulation does: each micro-batch's mean loss over the count, summed by
             # backward; hence scale_grads=False below (torch would otherwise divide the gradients by the count).
-            if last.context_parallel is None:
+            if last.hooks.sequence is None:
                 return last.loss(h, targets) / n_microbatches
-            # Context parallelism: this rank's share of the targets, its mean weighted as Llama.forward does.
-            targets, weight = last.context_parallel.split_targets(targets)
+            # Context parallelism: this rank's share of the targets, its mean weighted as the decoder's forward does.
+            targets, weight = last.hooks.sequence.split_targets(targets)
             return last.loss(h, targets) * weight / n_microbatches
 
         # A stage of the head alone returns its input as it came from the previous stage, a view of the transfer
@@ -245,7 +237,7 @@ class Pipeline:
         else:
             loss = torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # only the last stage's rank adds anything
-        cp = self.models[0].context_parallel
+        cp = self.models[0].hooks.sequence
         if cp is not None:  # each rank's loss is its weighted share of the sequence's: their mean is the sequence's
             dist.all_reduce(loss, group=cp.group)
             loss /= cp.size
@@ -288,8 +280,8 @@ class PipelineModel(nn.Module):
     `step` runs one optimizer step's micro-batches through the schedule; `grad_norm` is the whole model's
     gradient norm, which the optimizer clips with."""
 
-    def __init__(self, stage_models: list[Llama], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
-                 schedule: str, n_microbatches: int, device: torch.device | str):
+    def __init__(self, stage_models: list[Decoder], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
+                 schedule: str, n_microbatches: int, device: torch.device | str, timeline=None):
         super().__init__()
         self.pipeline = Pipeline(stage_models, stage_ids, n_stages, pp_mesh, schedule, n_microbatches, device)
         self.stages, self.pp_mesh, self.args = list(stage_models), pp_mesh, stage_models[0].args
@@ -298,11 +290,14 @@ class PipelineModel(nn.Module):
         blocks = sorted(((k, b) for m in stage_models for k, b in m.layers.items()), key=lambda kb: int(kb[0]))
         self.layers = nn.ModuleDict(blocks)
         # What levers ask to run after each step's backward (precision/lever.py), from every stage.
-        self.after_backward = [hook for m in stage_models for hook in getattr(m, "after_backward", ())]
+        self.hooks = Hooks()
+        self.hooks.install("after_backward", [hook for m in stage_models for hook in m.hooks.after_backward],
+                           "pipeline")
         count = torch.tensor([sum(p.numel() for p in self.parameters())], dtype=torch.int64, device=device)
         dist.all_reduce(count, group=pp_mesh.get_group())
         self.whole_model_params = int(count.item())  # every stage's, for the console and the metrics
-        self.timeline = None  # a pp_timeline.StageTimeline, where the parallel lever switches one on
+        # timeline(pipeline): a pp_timeline.StageTimeline timing each step's stage actions, or None.
+        self.timeline = timeline(self.pipeline) if timeline is not None else None
 
     def forward(self, *args, **kwargs):
         raise TypeError("a pipeline stage runs its micro-batches through PipelineModel.step, not forward")

@@ -1,4 +1,4 @@
-"""Tensor parallelism for the Llama, applied to the plain model from outside (torchtitan's habit): Megatron's
+"""Tensor parallelism for the decoder, applied to the plain model from outside (torchtitan's habit): Megatron's
 column/row split of every block with sequence parallelism between them.
 
 Parameters become DTensors on the "tp" mesh, so FSDP2 over "dp" composes with them on a 2-D mesh and DCP
@@ -17,7 +17,7 @@ vocabulary slice and reduce-scatters; the head computes the rank's vocabulary sl
 tokens and a vocabulary-parallel cross-entropy, so no rank holds [tokens, vocab] logits.
 
 The model's code is untouched: the styles below replace `Attention.qkv`, `FeedForward.gate_up`, the forward of
-the row-parallel linears, norms and embedding, and `Llama.loss`, on the instances.
+the row-parallel linears, norms and embedding on the instances, and the model's loss through its loss hook.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from holotrain.errors import ConfigError
-from holotrain.model.llama import Attention, FeedForward, rms_norm
+from holotrain.model.parts import rms_norm
 from holotrain.parallel.overlap import (
     MODES, TPComm, ag_linear, all_gather_rows, gather_columns, grad_all_reduce, linear_rs, reduce_scatter_rows,
 )
 
 
 class TPSection(Protocol):
-    """What apply_tp reads of the config's `parallel` section (holotrain.config.ParallelConfig)."""
+    """What apply_tp reads of the config's `parallel` section (holotrain.parallel.config.ParallelConfig)."""
 
     tp_overlap: str
     tp_tiles: str
@@ -54,7 +54,7 @@ _SECTION_KEYS = tuple(TPSection.__annotations__)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, section: TPSection) -> TPComm:
-    """Splits `model` (a holotrain Llama, on any device, "meta" included) over `tp_mesh` in place, as the config's
+    """Splits `model` (a holotrain decoder, on any device, "meta" included) over `tp_mesh` in place, as the config's
     `parallel` section says (tp_overlap, tp_tiles and the fused kernels' tp_spin_limit, tp_barrier_ms, tp_piece_mb)."""
     missing = [k for k in _SECTION_KEYS if not hasattr(section, k)]
     if missing:
@@ -72,25 +72,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, section: TPSection) -> TPCom
         raise ConfigError(f"parallel.tp_overlap={overlap!r} runs on CUDA GPUs only; use 'none' on the CPU")
     comm = TPComm(tp_mesh.get_group(), overlap, section.tp_tiles, spin_limit=section.tp_spin_limit,
                   barrier_ms=section.tp_barrier_ms, piece_mb=section.tp_piece_mb)
-    plan = {
-        "tok_embeddings": VocabParallelEmbedding(comm),
-        "layers.*.attention_norm": SequenceParallelNorm(comm),
-        "layers.*.attention": ColumnParallelGroup(comm, *Attention.input_group),
-        "layers.*.attention.wo": RowParallel(comm),
-        "layers.*.ffn_norm": SequenceParallelNorm(comm),
-        "layers.*.feed_forward": ColumnParallelGroup(comm, *FeedForward.input_group),
-        "layers.*.feed_forward.w2": RowParallel(comm),
-        "norm": SequenceParallelNorm(comm),
-        "output": VocabParallelHead(comm),
-    }
-    # A pipeline stage (parallel/pp.py) holds some of the modules, the others None: split only those it has.
-    held = {"tok_embeddings": model.tok_embeddings is not None, "layers": len(model.layers) > 0,
-            "norm": model.norm is not None, "output": model.output is not None}
-    parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if held[k.split(".")[0]]})
-    model.sequence_shards *= tp  # the hidden state between blocks holds one block of each sequence's tokens
+    # The model's modules by role (a pipeline stage declares only those it holds). A norm's weight is replicated and
+    # its gradient summed over the group: the norms between blocks see this rank's tokens, the per-head q/k norms
+    # (qwen3) its heads, so each rank's gradient is a partial sum either way.
+    styles = {"embedding": VocabParallelEmbedding, "norm": SequenceParallelNorm, "row": RowParallel,
+              "head": VocabParallelHead}
+    plan = {path: ColumnParallelGroup(comm, role[1], role[2]) if role[0] == "input_group" else styles[role[0]](comm)
+            for path, role in model.layer_roles().items()}
+    parallelize_module(model, tp_mesh, plan)
+    model.hooks.shard_sequence(tp, "tp")  # the hidden state between blocks holds one block of each sequence's tokens
     model.tie_weights()  # the embedding and the head are split alike (Shard(0) over the vocabulary)
-    model.loss = functools.partial(_vocab_parallel_loss, model, comm)
-    model.tp_comm = comm
+    model.hooks.install("loss", functools.partial(_vocab_parallel_loss, model, comm), "tp")
+    model.hooks.install("tp_comm", comm, "tp")
     return comm
 
 
@@ -101,7 +94,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, section: TPSection) -> TPCom
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
     param = getattr(module, name)
     # src_data_rank=None: every rank keeps its own slice without communication (the weights are drawn later,
-    # by Llama.init_weights, which distributes each full tensor the same way).
+    # by the decoder's init_weights, which distributes each full tensor the same way).
     dt = distribute_tensor(param.data, mesh, [placement], src_data_rank=None)
     module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
@@ -159,7 +152,7 @@ class VocabParallelEmbedding(_Style):
 
 class VocabParallelHead(_Style):
     """The output head split by vocabulary. Its forward (logits without targets) gathers the full vocabulary;
-    training goes through Llama.loss, replaced by the vocabulary-parallel cross-entropy."""
+    training goes through the decoder's loss, through its loss hook the vocabulary-parallel cross-entropy."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute(module, "weight", device_mesh, Shard(0))
@@ -235,7 +228,7 @@ def _head_forward(head: nn.Linear, comm: TPComm, h: torch.Tensor) -> torch.Tenso
 
 @torch.compiler.disable
 def _vocab_parallel_loss(model: nn.Module, comm: TPComm, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Llama.loss under tensor parallelism: final norm on the token block, the head's vocabulary slice of the
+    """The decoder's loss under tensor parallelism: final norm on the token block, the head's vocabulary slice of the
     logits for all tokens, and the mean cross-entropy over targets other than -100 (same value on every rank)."""
     x = model.norm(h)
     B, Tl, D = x.shape

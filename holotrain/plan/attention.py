@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from holotrain.model.llama import ATTENTION_FORWARD_SHARE, attention_flops_per_token, block_density  # noqa: F401
+from holotrain.model.costs import ATTENTION_FORWARD_SHARE, attention_flops_per_token, block_density  # noqa: F401
 
 # flex_attention with a document BlockMask against the dense causal kernel (flash) at T = 32768 and 131072 with
 # documents of 512, 2048 and 8192 tokens and of log-normal lengths, forward and backward, on an H200 (16 heads of 128;

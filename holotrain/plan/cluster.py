@@ -68,7 +68,9 @@ from holotrain.config import Config
 from holotrain.errors import ConfigError
 from holotrain.memory.activation_checkpointing import POLICIES, checkpointed_blocks, recompute_share
 from holotrain.memory.plan import activations
-from holotrain.model.llama import ATTENTION_FORWARD_SHARE, LlamaArgs, flops_per_token
+from holotrain.model.args import ModelArgs
+from holotrain.parallel.dims import ParallelDims
+from holotrain.model.costs import ATTENTION_FORWARD_SHARE, block_params, flops_per_token
 from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
 from holotrain.parallel.pp import stage_bounds, stages_per_rank, unit_costs
 from holotrain.plan.attention import LINK_LATENCY_S, attention_seconds, cp_exposed_seconds
@@ -270,29 +272,27 @@ class ClusterCandidate:
 # The model's shares
 
 
-def _block_params(a: LlamaArgs) -> int:
-    attn = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
-    return attn + 3 * a.dim * a.ffn_dim + 2 * a.dim  # the linears and the two norms
-
-
 @functools.lru_cache(maxsize=256)
 def _cut(shape: tuple, n_layers: int, seq_len: int, n_stages: int) -> tuple[tuple[int, bool, bool], ...]:
     """The stages as parallel/pp.py cuts the model (stage_bounds over unit_costs: the costliest stage as cheap as it
     can be), each as (blocks, holds the embedding, holds the head)."""
-    dim, n_heads, n_kv_heads, ffn_dim, vocab = shape
-    a = LlamaArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim,
-                  vocab_size=vocab)
+    a = dataclasses.replace(_args(shape), n_layers=n_layers)
     units = n_layers + 2  # [embedding, blocks, head]
     return tuple((sum(1 for u in range(i, j + 1) if 0 < u < units - 1), i == 0, j == units - 1)
                  for i, j in stage_bounds(unit_costs(a, seq_len), n_stages))
 
 
-def _shape(a: LlamaArgs) -> tuple:
-    return a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size
+def _shape(a: ModelArgs) -> tuple:
+    """The arguments as a hashable key (for the caches below)."""
+    return tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in dataclasses.asdict(a).items())
 
 
-def _tp_sizes(a: LlamaArgs, gpus_per_node: int) -> list[int]:
-    return [tp for tp in range(1, gpus_per_node + 1) if gpus_per_node % tp == 0 and all(
+def _args(shape: tuple) -> ModelArgs:
+    return ModelArgs(**{k: dict(v) if k == "rope_scaling" else v for k, v in shape})
+
+
+def _tp_sizes(a: ModelArgs, gpus_per_node: int) -> list[int]:
+    return [tp for tp in range(1, gpus_per_node + 1) if ParallelDims.fits(gpus_per_node, tp=tp) and all(
         x % tp == 0 for x in (a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size))]
 
 
@@ -300,11 +300,11 @@ def _cp_sizes(seq_len: int, tp: int, gpus_per_node: int) -> list[int]:
     return [cp for cp in (1, 2, 4, 8, 16) if tp * cp <= gpus_per_node and seq_len % (2 * cp * tp) == 0]
 
 
-def _stage_cfg(a: LlamaArgs, layers: int, seq_len: int, ac: str, tp: int, cp: int, compiled: bool) -> Config:
+def _stage_cfg(a: ModelArgs, layers: int, seq_len: int, ac: str, tp: int, cp: int, compiled: bool) -> Config:
     """A resolved-enough config of one pipeline stage of `layers` blocks, for memory/plan.py's activation model."""
     cfg = Config()
-    model = dataclasses.replace(cfg.model, dim=a.dim, n_layers=layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
-                                ffn_dim=a.ffn_dim, vocab_size=a.vocab_size, max_seq_len=seq_len)
+    shape = {k: v for k, v in dataclasses.asdict(a).items() if hasattr(cfg.model, k)}
+    model = dataclasses.replace(cfg.model, **{**shape, "n_layers": layers, "max_seq_len": seq_len})
     return dataclasses.replace(
         cfg, model=model, data=dataclasses.replace(cfg.data, seq_len=seq_len),
         training=dataclasses.replace(cfg.training, compile=compiled, dtype="bf16", fp8="none"),
@@ -315,9 +315,7 @@ def _stage_cfg(a: LlamaArgs, layers: int, seq_len: int, ac: str, tp: int, cp: in
 @functools.lru_cache(maxsize=4096)
 def _activations(shape: tuple, layers: int, seq_len: int, ac: str, tp: int, cp: int, compiled: bool, micro: int,
                  block_weights: float):
-    dim, n_heads, n_kv_heads, ffn_dim, vocab = shape
-    a = LlamaArgs(dim=dim, n_layers=layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim,
-                  vocab_size=vocab)
+    a = dataclasses.replace(_args(shape), n_layers=layers)
     return activations(_stage_cfg(a, layers, seq_len, ac, tp, cp, compiled), micro, 2, block_weights)
 
 
@@ -336,15 +334,15 @@ class _Stage:
     transient: float  # the larger of the loss (last stage) and one block's backward buffers
 
 
-def _stage(a: LlamaArgs, cluster: Cluster, seq_len: int, lay: Layout, layers: int, first: bool, last: bool,
+def _stage(a: ModelArgs, cluster: Cluster, seq_len: int, lay: Layout, layers: int, first: bool, last: bool,
            n_f: int) -> _Stage:
     mach, tp, cp, b = cluster.machine, lay.tp, lay.cp, lay.micro
     tokens = b * seq_len / cp  # of a micro-batch, on one rank
     head_w = a.dim * a.vocab_size
-    params = layers * _block_params(a) + (head_w if first else 0) + ((head_w + a.dim) if last else 0)
+    params = layers * block_params(a) + (head_w if first else 0) + ((head_w + a.dim) if last else 0)
     key = ("cuda", lay.compiled)
     rate = mach.gemm_flops * EFFICIENCY[key]
-    blocks_gemm = 6 * layers * (_block_params(a) - 2 * a.dim) * tokens / tp / rate
+    blocks_gemm = 6 * layers * (block_params(a) - 2 * a.dim) * tokens / tp / rate
     head_gemm = 6 * head_w * tokens / tp / rate if last else 0.0
     recompute = blocks_gemm * recompute_share(lay.ac, layers, 1.0) if layers else 0.0
     whole = len(checkpointed_blocks(lay.ac, layers)) / layers if layers else 0.0
@@ -367,7 +365,7 @@ def _stage(a: LlamaArgs, cluster: Cluster, seq_len: int, lay: Layout, layers: in
     f += tp_s / 2 + cp_s * ATTENTION_FORWARD_SHARE
     bi += tp_s / 2 + cp_s * (1 - ATTENTION_FORWARD_SHARE)
     acts = _activations(_shape(a), max(layers, 1), seq_len, lay.ac,
-                        tp, cp, lay.compiled, b, layers * _block_params(a) / (tp * n_f))
+                        tp, cp, lay.compiled, b, layers * block_params(a) / (tp * n_f))
     # Tensor parallelism's share (plan/cost.py's), but for the checkpointed blocks' inputs: sequence-parallel between
     # blocks, each rank keeps 1/tp of them.
     share = tp_activation_share(tp)
@@ -397,9 +395,9 @@ def expected_loss_share(save_s: float, interval_s: float, mtbf_s: float, restart
     return save_s / interval_s + (interval_s / 2 + restart_s) / mtbf_s
 
 
-def _memory(a: LlamaArgs, lay: Layout, stages: list[_Stage], order, n_f: int) -> dict[str, float]:
+def _memory(a: ModelArgs, lay: Layout, stages: list[_Stage], order, n_f: int) -> dict[str, float]:
     """The fullest rank's bytes, by what holds them (`order`: the schedule's, for the activations in flight)."""
-    tp, block = lay.tp, _block_params(a)
+    tp, block = lay.tp, block_params(a)
     ranks = [[s for s in range(len(stages)) if (order.rank_of[s] if order else 0) == r] for r in range(lay.pp)]
     in_flight = peak_in_flight(order, [st.saved for st in stages]) if order else [stages[0].saved]
     best: dict[str, float] = {}
@@ -418,7 +416,7 @@ def _memory(a: LlamaArgs, lay: Layout, stages: list[_Stage], order, n_f: int) ->
     return best
 
 
-def evaluate(a: LlamaArgs, cluster: Cluster, seq_len: int, lay: Layout, simulate_bubble: bool = True
+def evaluate(a: ModelArgs, cluster: Cluster, seq_len: int, lay: Layout, simulate_bubble: bool = True
              ) -> ClusterCandidate:
     """The predicted step (or why it does not fit) of one layout."""
     mach = cluster.machine
@@ -501,7 +499,7 @@ def evaluate(a: LlamaArgs, cluster: Cluster, seq_len: int, lay: Layout, simulate
 # The plan
 
 
-def layouts(a: LlamaArgs, cluster: Cluster, seq_len: int, global_batch_tokens: int,
+def layouts(a: ModelArgs, cluster: Cluster, seq_len: int, global_batch_tokens: int,
             schedules=SCHEDULE_CHOICES, micro_choices=MICRO_CHOICES, ac_policies=POLICIES) -> list[Layout]:
     """Every layout of the cluster's GPUs for the job: tp within a node, cp within what tp leaves of it, pp with each
     schedule where every stage holds a block, dp the rest; micro-batches that divide a replica's sequences."""
@@ -513,9 +511,9 @@ def layouts(a: LlamaArgs, cluster: Cluster, seq_len: int, global_batch_tokens: i
     out = []
     for tp in _tp_sizes(a, cluster.gpus_per_node):
         for cp in _cp_sizes(seq_len, tp, cluster.gpus_per_node):
-            for pp in (p for p in range(1, n // (tp * cp) + 1) if (n // (tp * cp)) % p == 0):
-                dp = n // (tp * cp * pp)
-                if n % (tp * cp * pp) or seqs % dp:
+            for pp in (p for p in range(1, n + 1) if ParallelDims.fits(n, pp=p, cp=cp, tp=tp)):
+                dp = ParallelDims(world=n, pp=pp, cp=cp, tp=tp).dp
+                if seqs % dp:
                     continue
                 per_replica = seqs // dp
                 scheds = [("none", 1)] if pp == 1 else [(s, v) for s, v in schedules if pp * v <= a.n_layers]
@@ -532,7 +530,7 @@ def layouts(a: LlamaArgs, cluster: Cluster, seq_len: int, global_batch_tokens: i
     return out
 
 
-def plan_cluster(model_args: LlamaArgs, cluster: Cluster | str | Path, seq_len: int, global_batch_tokens: int, *,
+def plan_cluster(model_args: ModelArgs, cluster: Cluster | str | Path, seq_len: int, global_batch_tokens: int, *,
                  schedules=SCHEDULE_CHOICES, micro_choices=MICRO_CHOICES, ac_policies=POLICIES, refine: int = REFINE,
                  include_rejected: bool = False) -> list[ClusterCandidate]:
     """Every layout of the job on the cluster (a Cluster, or a cluster file's path) predicted, sorted by step time.

@@ -51,8 +51,8 @@ from holotrain.memory.plan import (
     gpu_usable_share,
     plan_memory,
 )
-from holotrain.model import flops_per_token
-from holotrain.model.llama import ATTENTION_FORWARD_SHARE
+from holotrain.parallel.dims import ParallelDims
+from holotrain.model.costs import ATTENTION_FORWARD_SHARE, flops_per_token
 from holotrain.plan.attention import ATTENTION_SHARE, attention_seconds, cp_exposed_seconds
 from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
 from holotrain.precision.lever import FP8_HOST, matmul_time
@@ -223,7 +223,7 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     machine, cfg.parallel.tp of them per model replica) on `machine`."""
     t, m = cfg.training, cfg.model
     tp, cp = cfg.parallel.tp, cp_size(cfg)
-    dp = ranks // (tp * cp)
+    dp = ParallelDims(world=ranks, cp=cp, tp=tp).dp
     plan = _memory(model, cfg, machine, micro, accum, ranks)
     why = []
     if not plan.gpu_fits:

@@ -77,13 +77,14 @@ def _attention_rate(device: torch.device) -> float:
         return 0.0
     import torch.nn.functional as F
 
-    from holotrain.model.llama import LlamaArgs, attention_flops_per_token
+    from holotrain.model.args import ModelArgs
+    from holotrain.model.costs import attention_flops_per_token
 
     T, heads, head_dim = 16384, 16, 128
     q, k, v = (torch.randn(1, heads, T, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(1, heads, T, head_dim, device=device, dtype=torch.bfloat16)
-    work = attention_flops_per_token(LlamaArgs(dim=heads * head_dim, n_layers=1, n_heads=heads), T) * T
+    work = attention_flops_per_token(ModelArgs(dim=heads * head_dim, n_layers=1, n_heads=heads), T) * T
     rates, start = [], time.perf_counter()
     while time.perf_counter() - start < 1.0 or len(rates) < 4:
         t0 = time.perf_counter()

@@ -26,7 +26,8 @@ import torch
 from holotrain.config import Config, ConfigError, batch_layout, load_config, parse_overrides, resolve
 from holotrain.memory.activation_checkpointing import checkpointing_choices
 from holotrain.memory.plan import usable_cores
-from holotrain.model import Llama
+from holotrain.parallel.dims import ParallelDims
+from holotrain.model import build
 from holotrain.plan.cost import (
     COMM_PHASES,
     EFFICIENCY,
@@ -69,7 +70,7 @@ class Candidate:
             tp, cp = s["parallel.tp"], s.get("parallel.cp", 1)
             parts.insert(0, f"tp {tp}" + (f" ({s['parallel.tp_overlap']})" if tp > 1 else "")
                          + (f" x cp {cp} ({s['parallel.cp_mode']})" if cp > 1 else "")
-                         + f" x dp {self.ranks // (tp * cp)}")
+                         + f" x dp {ParallelDims(world=self.ranks, cp=cp, tp=tp).dp}")
         if s.get("memory.offload"):
             parts.append(f"offload {s['memory.offload_ratio']:g}")
         if s.get("memory.activation_offload_blocks"):
@@ -107,7 +108,7 @@ def job_signature(cfg: Config, ranks: int = 1) -> str:
 def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
     """Tensor-parallel sizes that divide the ranks and every dimension tensor parallelism splits."""
     m = cfg.model
-    return [tp for tp in range(1, ranks + 1) if ranks % tp == 0 and all(
+    return [tp for tp in range(1, ranks + 1) if ParallelDims.fits(ranks, tp=tp) and all(
         x % tp == 0 for x in (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, cfg.data.seq_len))]
 
 
@@ -149,8 +150,8 @@ def _cp_layouts(cfg: Config, ranks: int, tp: int) -> list[tuple[int, str]]:
     if ranks == 1 or cfg.data.seq_len < CP_MIN_SEQ or not hasattr(cfg.parallel, "cp"):
         return out
     m = cfg.model
-    for cp in range(2, ranks // tp + 1):
-        if (ranks // tp) % cp or cfg.data.seq_len % (2 * cp * tp):
+    for cp in range(2, ranks + 1):
+        if not ParallelDims.fits(ranks, cp=cp, tp=tp) or cfg.data.seq_len % (2 * cp * tp):
             continue
         out.append((cp, "ring"))
         if (m.n_heads // tp) % cp == 0 and (m.n_kv_heads // tp) % cp == 0:
@@ -194,7 +195,7 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             continue  # combinations the trainer refuses (config.validate)
         if cp > 1 and offload:
             continue
-        dp = ranks // (tp * cp)
+        dp = ParallelDims(world=ranks, cp=cp, tp=tp).dp
         if t.batch_size % dp:
             continue
         per_rank = t.batch_size // dp
@@ -322,7 +323,7 @@ def prepare(config: str | None, overrides: list[str], machine: Machine | None = 
 
         machine = measure_machine(device, cfg.hw.gpu_memory_gb, cache_dir(cfg.data.cache_dir))
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     calib = Calibration(fp8_gain=fp8_gain)
     if fp8_gain is None and machine.device == "cuda" and machine.fp8:
         from holotrain.precision.lever import fp8_shapes

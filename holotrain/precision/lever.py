@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -22,7 +22,6 @@ from holotrain.errors import ConfigError
 from holotrain.precision import delayed
 
 if TYPE_CHECKING:
-    from holotrain.config import TrainingConfig
     from holotrain.parallel import DistEnv
 
 RECIPES = ("tensorwise", "rowwise", "delayed")
@@ -79,8 +78,16 @@ def fp8_shapes(model: torch.nn.Module, skip: list[str]) -> dict[tuple[int, int],
     return shapes
 
 
+class FP8Section(Protocol):
+    """What the lever reads of the config's `training` section (the trainer's TrainingConfig)."""
+
+    fp8: str
+    fp8_skip: list[str]
+    fp8_emulate: bool
+
+
 class Precision:
-    def __init__(self, section: TrainingConfig, env: DistEnv, data_parallel: int):
+    def __init__(self, section: FP8Section, env: DistEnv, data_parallel: int):
         self.recipe, self.skip, self.emulate = section.fp8, list(section.fp8_skip), section.fp8_emulate
         self.data_parallel = data_parallel
         if self.recipe == "auto":
@@ -109,7 +116,7 @@ class Precision:
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulate,
                                      enable_fsdp_float8_all_gather=gather_fp8)
 
-        comm = getattr(model, "tp_comm", None)
+        comm = model.hooks.tp_comm
         if comm is not None:
             self._apply_tp(model, comm.world, dataclasses.replace(config, enable_fsdp_float8_all_gather=False))
             return
@@ -158,11 +165,11 @@ class Precision:
 
     def initialize(self, model: torch.nn.Module) -> None:
         """The recipe's own state, once the model holds values (it was built on "meta"). The delayed recipe's scales
-        are refreshed after each backward: through `model.after_backward`, which the training step calls."""
+        are refreshed after each backward: through the model's after_backward hook, which the training step calls."""
         if self.recipe == "delayed":
             linears = delayed.layers(model)
             delayed.reset(linears)
-            model.after_backward = [functools.partial(delayed.refresh, linears)]
+            model.hooks.install("after_backward", [functools.partial(delayed.refresh, linears)], "precision")
 
     def describe(self) -> str | None:
         if self.recipe == "none":
@@ -189,5 +196,5 @@ class Fp8Matmul:
         return matmul_with_hp_or_float8_args.apply(x, w_t, self.mm_config, self.config)
 
 
-def build(section: TrainingConfig, env: DistEnv, data_parallel: int) -> Precision:
+def build(section: FP8Section, env: DistEnv, data_parallel: int) -> Precision:
     return Precision(section, env, data_parallel)

@@ -17,7 +17,7 @@ from holotrain.profile.stragglers import StragglerCheck
 from holotrain.profile.trace import StepTracer
 
 if TYPE_CHECKING:
-    from holotrain.config import ProfileConfig
+    from holotrain.profile.config import ProfileConfig
     from holotrain.parallel import DistEnv
 
 

@@ -13,8 +13,10 @@ import torch.distributed as dist
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
 from holotrain.memory.plan import choose_offload_ratio, plan_memory
-from holotrain.model import Llama, LlamaArgs, num_params
+from holotrain.model import ModelArgs, build, num_params
+from holotrain.model.registry import model_args as section_args
 from holotrain.parallel import DistEnv
+from holotrain.parallel.dims import ParallelDims
 from holotrain.precision.lever import fp8_capable, fp8_shapes
 from holotrain.precision.probe import choose as choose_fp8
 from holotrain.train.checkpoint import list_checkpoints
@@ -42,8 +44,8 @@ class Job:
             self.lock.release()
 
 
-def model_args(cfg: Config) -> LlamaArgs:
-    return LlamaArgs(**{f.name: getattr(cfg.model, f.name) for f in fields(LlamaArgs)})
+def model_args(cfg: Config) -> ModelArgs:
+    return section_args(cfg.model)
 
 
 def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
@@ -56,7 +58,7 @@ def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
 
 def data_parallel_size(cfg: Config, env: DistEnv) -> int:
     """Ranks that read different batches: a tensor-, context- and pipeline-parallel group reads one."""
-    return max(1, env.world_size // (cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp))
+    return ParallelDims.of(cfg.parallel, env.world_size).dp
 
 
 def resolve_pipeline(cfg: Config, env: DistEnv) -> None:
@@ -138,7 +140,7 @@ def _resolve_locked(cfg: Config, env: DistEnv, lock: RunDirLock | None) -> Job:
     resolve(cfg, tokenizer_vocab=tokenizer.get_vocab_size())
     saved = check_run_dir_owner(cfg, env, tokenizer_path)
     with torch.device("meta"):
-        check_room(cfg, env, num_params(Llama(model_args(cfg))))
+        check_room(cfg, env, num_params(build(model_args(cfg))))
     resolve_pipeline(cfg, env)
     micro, accum = batch_layout(cfg, data_parallel_size(cfg, env))
 
@@ -194,7 +196,7 @@ def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_ru
             mem.offload_ratio = float(saved)
             return cfg
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     ratio = choose_offload_ratio(model, cfg, env.world_size, env.device, micro, accum,
                                  local_ranks=env.local_world_size)
     if env.world_size > 1:
@@ -235,7 +237,7 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
     n_layers = cfg.model.n_layers
     choices = sorted(checkpointing_choices(n_layers), key=lambda c: (recompute_share(c[0], n_layers, blocks=c[1]), c))
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build(model_args(cfg))
     ratio = 1.0 if mem.offload and mem.offload_ratio == "auto" else None
     pick, plan = len(choices) - 1, None
     for i, (policy, blocks) in enumerate(choices):
@@ -276,7 +278,7 @@ def _resolve_fp8(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
         reason = f"parallel.tp_overlap = {cfg.parallel.tp_overlap!r} has no FP8 GEMMs"
     if reason is None:
         with torch.device("meta"):
-            model = Llama(model_args(cfg))
+            model = build(model_args(cfg))
         choice, reason = choose_fp8(fp8_shapes(model, t.fp8_skip), micro * cfg.data.seq_len, env.device)
     if env.world_size > 1:
         on = torch.tensor([int(choice != "none")], device=env.device)
@@ -291,7 +293,7 @@ def _resolve_fp8(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
         print(f"holotrain: training.fp8 = auto -> {choice} ({reason})")
 
 
-def delayed_if_it_fits(model: Llama, cfg: Config, device: torch.device, micro: int, accum: int,
+def delayed_if_it_fits(model: torch.nn.Module, cfg: Config, device: torch.device, micro: int, accum: int,
                        **capacity) -> tuple[str, str]:
     """("delayed" or "tensorwise", why), by the memory plan of the job on one GPU with the delayed recipe (its most
     offloaded optimizer when memory.offload_ratio is "auto"). `capacity`: plan_memory's, in place of this

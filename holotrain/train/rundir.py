@@ -23,6 +23,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from holotrain.errors import ConfigError
+from holotrain.model.args import FIELDS, ModelArgs
+from holotrain.model.registry import DEFAULT_FAMILY
 
 LOCK = ".lock"
 
@@ -88,9 +90,20 @@ def saved_config(run_dir: Path) -> dict | None:
                           "another job.run_dir") from None
 
 
+def implied_model(section: dict) -> dict:
+    """A saved model section with the keys it lacks (a run saved before they existed) as their values then: the
+    family's default, head_dim = dim / n_heads, no switch on."""
+    known = {k: v for k, v in section.items() if k in FIELDS}
+    if not {"dim", "n_heads"} <= set(known):
+        return section
+    implied = ModelArgs(**{**known, "family": known.get("family") or DEFAULT_FAMILY})
+    return {**{f: getattr(implied, f) for f in FIELDS if f not in section}, **section}
+
+
 def differences(saved: dict, job: dict, saved_tokenizer: bytes | None, job_tokenizer: bytes) -> list[str]:
     """`section.key: saved -> this job's` for every owned key that differs, the tokenizer included."""
     out = []
+    saved = {**saved, "model": implied_model(saved.get("model", {}))}
     for section in OWNED_SECTIONS:
         keys = sorted(set(saved.get(section, {})) | set(job.get(section, {})))
         for key in keys:

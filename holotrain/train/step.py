@@ -49,7 +49,7 @@ class TrainStep:
         self.autocast = dtype == torch.bfloat16 and env.world_size == 1
         self.attention = cfg.training.attention
         # What levers ask to run after each backward (the delayed FP8 recipe's scale refresh: precision/lever.py).
-        self.after_backward = list(getattr(model, "after_backward", ()))
+        self.after_backward = list(model.hooks.after_backward)
         self.pipelined = hasattr(model, "pipeline")  # parallel/pp.py's PipelineModel: this rank's stages
 
     def __call__(self, fetch, accum: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,11 +25,12 @@ from holotrain.memory import Memory
 from holotrain.memory import build as build_memory
 from holotrain.memory import build_optimizer as _build_optimizer
 from holotrain.memory.plan import expandable_segments_reason, gpu_cap_bytes, process_rss_bytes
-from holotrain.model import Llama, flops_per_token, num_params
-from holotrain.model.llama import attention_pairs, block_density
+from holotrain.model import build, flops_per_token, num_params
+from holotrain.model.costs import attention_pairs, block_density
 from holotrain.optim import AdamWHyper, StepOptimizer
 from holotrain.precision import build as build_precision
 from holotrain.parallel import DistEnv, init_distributed
+from holotrain.parallel.dims import ParallelDims
 from holotrain.parallel.launch import destroy_distributed
 from holotrain.parallel.lever import Parallel
 from holotrain.parallel.lever import build as build_parallel
@@ -70,7 +71,7 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
         # Built on "meta" (no memory), wrapped by the levers, placed (sharded, if FSDP), and only then
         # initialized: a 7B model never exists whole in host memory, and the seed alone decides the weights.
         with torch.device("meta"):
-            model = Llama(model_args(cfg))
+            model = build(model_args(cfg))
         # A plan that cannot fit GPU or host memory is refused now, with the numbers, not by an OOM later.
         memory.check_fit(model, cfg, *batch_layout(cfg, data_parallel_size(cfg, env)))
         _apply_levers(model, cfg, env, compute_dtype, memory, par, precision, pretrained)
@@ -82,7 +83,7 @@ def build_model(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: M
     return model
 
 
-def _apply_levers(model: Llama, cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: Memory,
+def _apply_levers(model: torch.nn.Module, cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory: Memory,
                   par: Parallel, precision, pretrained: bool) -> None:
     """The levers on a plain model (or a pipeline stage of one) built on "meta", in order, then its weights."""
     par.apply_tp(model)
@@ -90,7 +91,7 @@ def _apply_levers(model: Llama, cfg: Config, env: DistEnv, compute_dtype: torch.
     precision.apply(model)
     memory.apply(model, vocab_parallel_loss=cfg.parallel.tp > 1)
     if cfg.training.compile:
-        compile_regions(model)
+        model.compile_regions()
     par.apply_fsdp(model, compute_dtype)
     model.to_empty(device="cpu" if memory.host_built else env.device)
     model.tie_weights()  # to_empty makes a module's parameters anew (FSDP2 keeps a tie; plain placement does not)
@@ -114,7 +115,7 @@ def _build_stages(cfg: Config, env: DistEnv, compute_dtype: torch.dtype, memory:
     stages = []
     for first, last in units:
         with torch.device("meta"):
-            stage = stage_model(Llama(args), first, last)
+            stage = stage_model(build(args), first, last)
         _apply_levers(stage, cfg, env, compute_dtype, memory, par, precision, pretrained)
         stages.append(stage)
     _, accum = batch_layout(cfg, data_parallel_size(cfg, env))
@@ -148,17 +149,6 @@ def load_pretrained(model: torch.nn.Module, init_from: str, env: DistEnv) -> Non
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         print(f"holotrain: weights from {source.directory}: {read / 1e9:.2f} GB read on rank 0 "
               f"in {time.perf_counter() - t0:.1f} s (peak host memory {rss / 1e9:.1f} GB)", flush=True)
-
-
-def compile_regions(model: torch.nn.Module) -> None:
-    """Regional compilation: each block (identical code, compiled once) and the loss head (the whole loss, or the
-    unit of a chunked one). Keeps parameter names, composes with FSDP2's per-block hooks, compiles in seconds."""
-    for block in model.layers.values():
-        block.compile()
-    if model.loss_chunk_tokens:
-        model.loss_piece = torch.compile(model.loss_piece)
-    else:
-        model.loss = torch.compile(model.loss)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, env: DistEnv, dtype: torch.dtype | None = None,
@@ -238,8 +228,8 @@ def _train_locked(job: Job, env: DistEnv, stop: StopSignals) -> list[dict]:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
             return []
-        layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.parallel.tp * cfg.parallel.cp, cfg.job.seed,
-                        cfg.parallel.pp)
+        layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.job.seed,
+                        ParallelDims.of(cfg.parallel, env.world_size))
         data = build_data(cfg.data, env, run_dir, job.tokenizer, layout, data_state, start_step)
         try:
             rows = _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, job.micro, job.accum,
@@ -329,10 +319,10 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
     args = model_args(cfg)
     # FLOPs for MFU: the linear layers' per token, and attention's from the documents the rows really hold (packed
-    # documents attend only within themselves), 12 * n_layers * dim per (token, key) pair of the full square, as
+    # documents attend only within themselves), 12 * n_layers * q_dim per (token, key) pair of the full square, as
     # flops_per_token counts one sequence. A tensor-, context- or pipeline-parallel group shares its rows.
     linear_per_step = flops_per_token(args, 0) * tokens_per_step / env.world_size
-    attention_per_pair = 12 * args.n_layers * args.dim / (cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp)
+    attention_per_pair = 12 * args.n_layers * args.q_dim / ParallelDims.of(cfg.parallel, env.world_size).model_ranks
     pairs = torch.zeros((), dtype=torch.float64, device=env.device)  # this rank's, over the interval
     # The document-masked micro-batches' share of the causal triangle that flex_attention visits, summed over the
     # interval (the time model's attention density, plan/attention.py), and their count: read at log time only.

@@ -33,7 +33,7 @@ from holotrain.memory.plan import model_units, offloadable, offloaded_units, usa
 from holotrain.optim import AdamWHyper, fused_adamw, step_clipped
 
 if TYPE_CHECKING:
-    from holotrain.config import MemoryConfig
+    from holotrain.memory.config import MemoryConfig
     from holotrain.parallel import DistEnv
 
 

@@ -1,0 +1,57 @@
+"""The config's [model] section: the model's family, preset and dimensions, and the checks on its own keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from holotrain.section import Section, need
+
+
+@dataclass
+class ModelConfig(Section):
+    # The model family (model/registry.py): llama | qwen2 | qwen3 | mistral. Empty: model.init_from's, else llama.
+    family: str = ""
+    preset: str = "tiny"  # one of the family's shapes (holotrain train --help model lists them)
+    # 0 / 0.0 means "take the preset's value"; the resolved config holds the real numbers.
+    dim: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0  # 0: the preset's, else dim / n_heads
+    ffn_dim: int = 0
+    vocab_size: int = 0  # tiny preset: 0 = the tokenizer's vocabulary, rounded up to a multiple of 64
+    max_seq_len: int = 0  # 0 = data.seq_len
+    rope_theta: float = 0.0
+    rope_scaling: dict = field(default_factory=dict)  # {} = none; {rope_type = "llama3" | "linear", factor, ...}
+    norm_eps: float = 0.0
+    tie_embeddings: bool = False  # the head shares the embedding's weight
+    # Switches a family fixes or allows (model/families): biases on q/k/v, on the attention output and on the MLP
+    # (Llama's attention_bias / mlp_bias), RMSNorm over each head's q and k (qwen3), and attention to at most the last
+    # sliding_window positions (mistral; 0 = the whole causal prefix).
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int = 0
+    # A Hugging Face model directory or a holotrain run / checkpoint: the dimensions, weights and tokenizer come
+    # from it (model/pretrained.py); a new run starts from its weights with a fresh optimizer. A relative path in a
+    # TOML file is relative to the file's folder (as every input path there), on the command line to the current one.
+    init_from: str = ""
+
+    def check(self) -> None:
+        """The dimensions once filled in from the preset (config.resolve)."""
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
+            need(getattr(self, key) > 0, f"model.{key} must be positive, got {getattr(self, key)}")
+        # 0 until the tokenizer is known (config_checks checks it against the tokenizer's vocabulary then).
+        need(self.vocab_size >= 0, f"model.vocab_size must be positive, got {self.vocab_size}")
+        need(self.head_dim % 2 == 0, f"model.head_dim = {self.head_dim} must be even for RoPE")
+        need(self.sliding_window >= 0, f"model.sliding_window must be >= 0 (0 = none), got {self.sliding_window}")
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
+        need(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
+        if self.rope_scaling:
+            from holotrain.model.hf import rope_settings
+
+            # Raises a ConfigError naming the key.
+            rope_settings({"rope_scaling": self.rope_scaling}, "model.rope_scaling")
+        need(self.norm_eps > 0, f"model.norm_eps must be positive, got {self.norm_eps}")

@@ -1,0 +1,92 @@
+"""What a model of given arguments costs per token: training FLOPs (MFU's count), attention's T x T work as the kernels
+do it (the time model's), and parameters and saved values per block (the memory plan's units). The levers and the
+planner read these, never a family's modules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from holotrain.model.args import ModelArgs
+from holotrain.model.parts import doc_positions
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training (forward + backward) FLOPs per token.
+
+    Matrix multiplies only, counted exactly from the shapes: 6 FLOPs per weight of every linear layer
+    (the output head included, the embedding lookup not), plus attention's two T x T products,
+    12 * n_layers * q_dim * seq_len (q_dim = n_heads * head_dim, the model's width in most families), counted over
+    the full square as PaLM and torchtitan do (the causal kernels skip about half of it, so MFU by this convention
+    matches theirs). A sliding window is not counted off: MFU stays comparable across families.
+    """
+    linear = args.n_layers * block_linear_params(args) + args.dim * args.vocab_size
+    return 6 * linear + 12 * args.n_layers * args.q_dim * seq_len
+
+
+def block_linear_params(args: ModelArgs) -> int:
+    """Weights of one block's linear layers (biases and norms aside): q, k, v, o and the SwiGLU's three."""
+    return args.dim * (2 * args.q_dim + 2 * args.kv_dim) + 3 * args.dim * args.ffn_dim
+
+
+def block_params(args: ModelArgs) -> int:
+    """Every parameter of one block: its linears, their biases, its norms."""
+    bias = (args.q_dim + 2 * args.kv_dim) * args.qkv_bias + args.dim * args.out_bias
+    bias += (2 * args.ffn_dim + args.dim) * args.mlp_bias
+    norms = 2 * args.dim + 2 * args.head_dim * args.qk_norm
+    return block_linear_params(args) + bias + norms
+
+
+def block_saved_values(args: ModelArgs) -> int:
+    """Values per token one block keeps for backward (no recomputation), the memory plan's unit: the two norms'
+    inputs and the residual (3 x dim), q, k, v and the attention's output (2 q_dim + 2 kv_dim, plus q and k once more
+    when they are normalized per head), the gate and up projections (2 x ffn_dim). A Llama of equal kv and query
+    heads keeps 7 dim + 2 ffn_dim."""
+    attention = 2 * args.q_dim + 2 * args.kv_dim + (args.q_dim + args.kv_dim) * args.qk_norm
+    return 3 * args.dim + attention + 2 * args.ffn_dim
+
+
+def attention_pairs(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | int:
+    """Sum over the rows of a micro-batch [B, T] of the squared lengths of their documents (B * T^2 for rows of one
+    document each, doc_ids None): the T x T work by the convention of flops_per_token, each document counted as its
+    own sequence. A document of n tokens holds positions 0 .. n-1, and the sum of 2 i + 1 over them is n^2."""
+    if doc_ids is None:
+        return shape[0] * shape[1] ** 2
+    return (2 * doc_positions(doc_ids) + 1).sum()
+
+
+def block_density(doc_ids: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The share of the causal triangle's `block` x `block` blocks (flex_attention's) that the document mask of a
+    micro-batch of document ids [B, T] (non-decreasing along T) visits, averaged over its rows (plan/attention.py:
+    doc_density's block share), as a tensor on their device: no host synchronization (the trainer reads it at log
+    time)."""
+    B, T = doc_ids.shape
+    n = math.ceil(T / block)
+    if T % block:  # padding of the last block: ids above every document's
+        pad = doc_ids[:, -1:] + 1 + torch.arange(n * block - T, device=doc_ids.device)
+        doc_ids = torch.cat([doc_ids, pad], dim=1)
+    blocks = doc_ids.view(B, n, block)
+    first, last = blocks[:, :, 0].contiguous(), blocks[:, :, -1].contiguous()
+    # Key blocks up to the query block's own that hold its first document (ids never decrease: the key block's last
+    # id reaches it).
+    reach = torch.searchsorted(last, first)  # per query block, the first key block whose last id >= its first id
+    visited = (torch.arange(n, device=doc_ids.device) - reach + 1).sum(dim=1).float()
+    return (visited / (n * (n + 1) / 2)).mean()
+
+
+ATTENTION_FORWARD_SHARE = 2 / 7  # of attention_flops_per_token: forward's 2 of the 7 T x T products
+
+
+def attention_flops_per_token(args: ModelArgs, seq_len: int, density: float = 1.0) -> float:
+    """Training FLOPs per token of attention's T x T products as the kernels do them (the time model's, not MFU's):
+    over the causal triangle only (a token meets seq_len / 2 keys on average), times `density`, the share of that
+    triangle the kernel visits (1 for a row of one document; with packed documents about the sum of their squared
+    lengths over seq_len squared, counted in the kernel's blocks). Forward runs 2 products (scores, then values),
+    backward 5 (flash-style kernels recompute the scores): 7 of 2 * n_heads * head_dim FLOPs per (query, key) pair
+    and layer. A sliding window caps the keys a token meets at the window."""
+    if args.sliding_window and args.sliding_window < seq_len:
+        w = args.sliding_window  # keys per token: i + 1 up to w, then w
+        keys = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+        return 7 * 2 * args.n_layers * args.n_heads * args.head_dim * keys * density
+    return 7 * 2 * args.n_layers * args.n_heads * args.head_dim * (seq_len / 2) * density
