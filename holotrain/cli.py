@@ -15,6 +15,7 @@ USAGE = """usage:
   holotrain train [--config FILE.toml | NAME] [--plan auto | PLAN.toml] [--section.key=value ...]
   holotrain plan [--config FILE.toml | NAME] [--out DIR] [--nproc N | --cluster FILE | NAME] [--section.key=value ...]
   holotrain export RUN_DIR OUT_DIR [--checkpoint DIR]
+  holotrain generate RUN_DIR | HF_DIR --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K]
   holotrain report RUN_DIR
   holotrain hw probe [--out FILE.json] [--seconds N]
 """
@@ -164,6 +165,40 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="holotrain generate",
+                                     description="Continue a prompt with a trained run or a Hugging Face model.")
+    parser.add_argument("source", help="a run directory (its newest checkpoint), a checkpoint in one, or a Hugging "
+                                       "Face model directory")
+    parser.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    parser.add_argument("--chat", action="store_true", help="render the prompt as a user turn with the chat template")
+    parser.add_argument("--system", default="", help="with --chat: a system message before it")
+    parser.add_argument("--messages", help="a JSON file with a conversation ([{role, content}, ...]) to answer")
+    parser.add_argument("--checkpoint", help="a checkpoint directory of the run (default: its newest)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="auto (a GPU if there is one) | cpu | cuda")
+    a = parser.parse_args(argv)
+    import json
+
+    from holotrain.generate import Sampling, load
+
+    sampling = Sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed)
+    sampling.check()  # before the model loads
+    messages = None
+    if a.messages:
+        try:
+            messages = json.loads(open(a.messages).read())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--messages {a.messages}: not a readable JSON file ({e})") from None
+    generator = load(a.source, a.checkpoint, a.device)
+    print(generator(a.prompt, sampling, chat=a.chat, messages=messages, system=a.system), flush=True)
+    return 0
+
+
 def _report(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="holotrain report")
     parser.add_argument("run_dir")
@@ -188,7 +223,7 @@ def _hw(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "plan": _plan, "export": _export, "report": _report, "hw": _hw}
+COMMANDS = {"train": _train, "plan": _plan, "export": _export, "generate": _generate, "report": _report, "hw": _hw}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,18 @@ def test_chat_export_generate_stops_at_the_end_of_turn(chat_export):
         assert tokenizer.decode(answer) == ANSWER + "<|im_end|>"
 
 
+def test_holotrain_generate_answers_from_the_run_and_from_its_export(chat_export):
+    """`holotrain generate` on the run (its newest checkpoint) and on the export (a Hugging Face directory): the
+    prompt rendered as a chat turn, the answer greedy and stopped at <|im_end|>, the same from both. A bad argument
+    is one line, exit 2."""
+    run_dir, out = chat_export
+    for source in (run_dir, out):
+        proc = run_cli("generate", str(source), "--chat", "--prompt", "who whose what when", "--max-new-tokens", "30")
+        assert proc.stdout.strip() == ANSWER, (source, proc.stdout, proc.stderr[-2000:])
+    proc = run_cli("generate", str(run_dir), "--prompt", "why", "--temperature", "-1", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("holotrain: error: --temperature")
+
+
 def test_chat_export_files_carry_the_runs_tokens_and_template(chat_export):
     from tokenizers import Tokenizer
 

@@ -230,6 +230,22 @@ class Decoder(nn.Module):
         # sequence's mean over all its targets.
         return loss if weight is None else loss * weight
 
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Generation: the logits [B, 1, V] of the last of `tokens` [B, n], which continue the positions `cache`
+        holds (the prompt at first, then one token at a time); their keys and values join the cache."""
+        start, n = cache.length, tokens.shape[1]
+        cos, sin = self.rope_cos[start:start + n], self.rope_sin[start:start + n]
+        query, key = torch.arange(start, start + n, device=tokens.device), torch.arange(start + n, device=tokens.device)
+        mask = key[None, :] <= query[:, None]
+        if self.args.sliding_window:
+            mask &= query[:, None] - key[None, :] < self.args.sliding_window
+        h = self.tok_embeddings(tokens).to(self.output.weight.dtype)
+        for i, block in enumerate(self.layers.values()):
+            h = block(h, cos, sin, mask[None, None], cache.layers[i])
+        cache.length += n
+        return self.output(self.norm(h[:, -1:]))
+
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and mean cross-entropy (in fp32) over targets other than -100.
 
@@ -258,6 +274,31 @@ class Decoder(nn.Module):
         logits = self.output(self.norm(h))
         total = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
         return total, (targets != -100).sum()
+
+
+class LayerCache:
+    """One layer's keys and values [B, H_kv, length, D], filled in order by `extend`."""
+
+    def __init__(self, owner: KVCache, k: torch.Tensor, v: torch.Tensor):
+        self.owner, self.k, self.v = owner, k, v
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores these positions' keys and values after those held; returns every position's so far."""
+        start, end = self.owner.length, self.owner.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"the KV cache holds {self.k.shape[2]} positions; {end} asked")
+        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every layer for `length` positions of `batch` rows, preallocated (Decoder.decode)."""
+
+    def __init__(self, args: ModelArgs, batch: int, length: int, device: torch.device, dtype: torch.dtype):
+        shape = (batch, args.n_kv_heads, length, args.head_dim)
+        self.length = 0  # positions filled
+        self.layers = [LayerCache(self, torch.empty(shape, device=device, dtype=dtype),
+                                  torch.empty(shape, device=device, dtype=dtype)) for _ in range(args.n_layers)]
 
 
 def _copy_drawn(item) -> None:

@@ -127,9 +127,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | BlockMask | SequenceAttention | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | SequenceAttention | None = None, cache=None) -> torch.Tensor:
         """mask: None (plain causal), a boolean SDPA mask [B, 1, T, T], a flex_attention BlockMask, or a
-        SequenceAttention (the sequence spread over ranks)."""
+        SequenceAttention (the sequence spread over ranks). cache: generation's keys and values of this layer so far
+        (decoder.LayerCache), which these tokens' join; the mask then covers [T, all cached positions]."""
         q, k, v = self.qkv(x)
         # Shapes come from the projections, heads from the weights: under tensor parallelism x holds this
         # rank's share of the tokens, the projections all tokens and this rank's share of the heads.
@@ -139,6 +140,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        if cache is not None:
+            k, v = cache.extend(k, v)
         y = mask(q, k, v) if isinstance(mask, SequenceAttention) else attention(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -179,6 +182,6 @@ class Block(nn.Module):
         self.feed_forward = feed_forward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | BlockMask | SequenceAttention | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+                mask: torch.Tensor | BlockMask | SequenceAttention | None = None, cache=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
         return x + self.feed_forward(self.ffn_norm(x))
