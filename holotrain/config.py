@@ -23,7 +23,7 @@ else:  # pragma: no cover
 from holotrain.config_checks import validate
 from holotrain.config_values import closest, coerce
 from holotrain.data.config import DataConfig
-from holotrain.data.sources import SourceConfig
+from holotrain.data.sources import SourceConfig, validate_sources
 from holotrain.errors import ConfigError
 from holotrain.hw.config import HwConfig
 from holotrain.memory.config import MemoryConfig
@@ -130,6 +130,9 @@ class CheckpointConfig(Section):
     # The first SIGINT or SIGTERM finishes the step under way and saves a checkpoint; the wait for its write is
     # bounded by this many seconds (a scheduler's grace period), after which the process exits without it.
     interrupt_grace_s: float = 120.0
+    # Keep the checkpoint of the lowest eval.loss (evaluated at a checkpoint's step) besides the newest `keep`, named
+    # by RUN_DIR/checkpoints/best.json: a fine-tune's best step survives its later, worse ones.
+    keep_best: bool = False
 
     def check(self) -> None:
         need(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
@@ -141,12 +144,35 @@ class CheckpointConfig(Section):
 
 
 @dataclass
+class EvalConfig(Section):
+    """Validation (holotrain/train/evaluation.py): the loss on documents training never sees."""
+
+    every: int = 50  # steps between evaluations, and one at the end of the run; 0 = off
+    batches: int = 2  # rows evaluated per source: this many times training.batch_size
+    # The share of each training source's documents held out (whole documents, by a hash of where they are: the
+    # same split on every rank, after a resume and after a loader restarts); used when eval.sources is empty.
+    holdout: float = 0.01
+    # [[eval.sources]] tables (keys as [[data.sources]]): evaluate on these instead of a held-out share.
+    sources: list = field(default_factory=list)
+
+    def check(self) -> None:
+        need(self.every >= 0, f"eval.every must be >= 0 (0 = off), got {self.every}")
+        need(self.batches >= 1, f"eval.batches must be >= 1, got {self.batches}")
+        need(0 <= self.holdout < 1, f"eval.holdout must be in [0, 1), got {self.holdout}")
+        if self.sources:
+            validate_sources(self.sources)
+        need(self.sources or self.holdout > 0 or self.every == 0, "eval.holdout = 0 holds no document out: set "
+             "eval.sources, a holdout share, or eval.every = 0")
+
+
+@dataclass
 class Config(Section):
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
@@ -245,15 +271,15 @@ def _apply(cfg: Config, section: str, key: str, value: Any, base: Path) -> None:
         raise _unknown_key(section, key)
     sec_obj = getattr(cfg, section)
     hints = typing.get_type_hints(type(sec_obj))
-    if (section, key) == ("data", "sources"):
-        sec_obj.sources = _sources(value, base)
+    if key == "sources" and section in ("data", "eval"):
+        sec_obj.sources = _sources(value, base, section)
         return
     setattr(sec_obj, key, _place(section, key, coerce(f"{section}.{key}", value, hints[key]), base))
 
 
-def _sources(value: Any, base: Path) -> list[SourceConfig]:
+def _sources(value: Any, base: Path, section: str = "data") -> list[SourceConfig]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-        raise ConfigError("data.sources: declare sources as [[data.sources]] tables in a TOML file")
+        raise ConfigError(f"{section}.sources: declare sources as [[{section}.sources]] tables in a TOML file")
     hints = typing.get_type_hints(SourceConfig)
     out = []
     for i, table in enumerate(value):
@@ -261,9 +287,9 @@ def _sources(value: Any, base: Path) -> list[SourceConfig]:
         for k, v in table.items():
             if k not in hints:
                 near = closest(k, hints)
-                hint = f" (did you mean data.sources[{i}].{near}?)" if near else f" (keys: {', '.join(hints)})"
-                raise ConfigError(f"unknown config key data.sources[{i}].{k}{hint}")
-            setattr(src, k, v if k == "weight_schedule" else coerce(f"data.sources[{i}].{k}", v, hints[k]))
+                hint = f" (did you mean {section}.sources[{i}].{near}?)" if near else f" (keys: {', '.join(hints)})"
+                raise ConfigError(f"unknown config key {section}.sources[{i}].{k}{hint}")
+            setattr(src, k, v if k == "weight_schedule" else coerce(f"{section}.sources[{i}].{k}", v, hints[k]))
         src.path = _input_path(src.path, base)
         out.append(src)
     return out

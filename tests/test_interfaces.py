@@ -113,3 +113,13 @@ def test_parallel_sizes_are_read_from_the_layout_object():
              for line in size_derivations(_tree(p))]
     assert not found, f"parallel sizes re-derived outside parallel/dims.py: {found}"
     assert size_derivations(ast.parse("dp = env.world_size // (cfg.parallel.tp * cfg.parallel.cp)")) == [1]
+
+
+def test_the_data_plane_imports_no_torch():
+    """The data plane and its loaders are processes of their own: the layout they read (parallel/dims.py) must not
+    pull torch in (seconds of startup in every run)."""
+    import subprocess
+    import sys
+
+    code = "import sys, holotrain.data.plane, holotrain.data.worker; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout.strip() == "False"

@@ -34,6 +34,7 @@ class Layout:
     accum: int  # micro-batches per step
     seed: int
     dims: ParallelDims  # which ranks read the same rows (parallel/dims.py)
+    holdout: float = 0.0  # each source's share held out for validation (data/split.py): never served
 
 
 class Data:
@@ -51,7 +52,7 @@ class Data:
             eos_id=eos_id, pad_id=pad_id, seq_len=section.seq_len,
             global_batch=layout.global_batch, world_size=env.world_size,
             local_ranks=list(range(node_first, node_first + env.local_world_size)), micro_batch=layout.micro,
-            dims=layout.dims, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
+            dims=layout.dims, holdout=layout.holdout, accum=layout.accum, seed=layout.seed, max_workers=section.workers,
             chunk_bytes=int(section.chunk_mb * 2**20), prefetch_steps=section.prefetch_steps,
             balance=section.balance, balance_window=section.balance_window, shuffle=section.shuffle,
             log_samples=section.log_samples,

@@ -30,6 +30,7 @@ import numpy as np
 from holotrain.data.mixture import Mixture
 from holotrain.data.packing import Packer, StepFormer, sample_arrays
 from holotrain.data.shm import new_block, owner_prefix, sweep_blocks, unlink_block
+from holotrain.data.split import Split
 from holotrain.data.shm import shm_prefix  # noqa: F401 - callers find it here too
 from holotrain.data.sources import SourceConfig, plan_chunks, source_files
 from holotrain.data.worker import ignore_stop_signals, read_block, start_light, worker_main
@@ -63,6 +64,8 @@ class PlaneSpec:
     # The job's parallel layout (parallel/dims.py): which ranks share rows (a tensor- and context-parallel group, every
     # pipeline stage). None: plain data parallelism over world_size ranks.
     dims: ParallelDims | None = None
+    # Share of each source's documents held out for validation (data/split.py): never served to training.
+    holdout: float = 0.0
     # Cost-aware step formation (packing.StepFormer): micro-batches chosen from this many steps of ready samples; no
     # sample trains more than this many steps after its turn in order.
     balance_window: int = 4
@@ -112,7 +115,8 @@ class LoaderPool:
         proc = self.ctx.Process(
             target=worker_main, daemon=True,
             args=(self._next_id, [str(f) for f in self.files[source]], src, self.spec.tokenizer_path,
-                  self.spec.eos_id, self.spec.chat_template, tasks, self.results, os.getpid(), self.prefix),
+                  self.spec.eos_id, self.spec.chat_template, tasks, self.results, os.getpid(), self.prefix,
+                  Split(src.name, self.spec.holdout)),
         )
         start_light(proc)
         w = _Worker(proc, source, tasks)

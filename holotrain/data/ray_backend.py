@@ -15,13 +15,15 @@ from pathlib import Path
 import ray
 
 from holotrain.data.chat import reader_for
+from holotrain.data.split import Split
 from holotrain.data.worker import tokenize_chunk
 from holotrain.errors import ConfigError
 
 
 @ray.remote(num_cpus=1)
 class LoaderActor:
-    def __init__(self, files: list[str], src, tokenizer_path: str, eos_id: int, chat_template: str):
+    def __init__(self, files: list[str], src, tokenizer_path: str, eos_id: int, chat_template: str,
+                 split: Split | None = None):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per actor, as for local workers
         from tokenizers import Tokenizer
 
@@ -29,9 +31,11 @@ class LoaderActor:
         self.text_field, self.eos_id = src.text_field, eos_id
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
         self.chat = reader_for(src, chat_template, tokenizer_path)
+        self.split = split
 
     def load(self, chunk, epoch: int) -> dict:
-        tokenized = tokenize_chunk(chunk, self.paths, self.text_field, self.tokenizer, self.eos_id, self.chat)
+        tokenized = tokenize_chunk(chunk, self.paths, self.text_field, self.tokenizer, self.eos_id, self.chat,
+                                   self.split)
         return {"source": chunk.source, "index": chunk.index, "epoch": epoch, "arrays": tokenized.arrays(),
                 "n_tokens": len(tokenized.tokens), "n_docs": len(tokenized.keys), "records": tokenized.text.records,
                 "skipped": tokenized.text.skipped,
@@ -66,7 +70,8 @@ class RayLoaderPool:
         src = self.spec.sources[source]
         handle = LoaderActor.options(num_cpus=self.cpus).remote([str(f) for f in self.files[source]], src,
                                                                 self.spec.tokenizer_path, self.spec.eos_id,
-                                                                self.spec.chat_template)
+                                                                self.spec.chat_template,
+                                                                Split(src.name, self.spec.holdout))
         actor = _Actor(handle, source)
         self.actors.append(actor)
         return actor

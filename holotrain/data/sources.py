@@ -190,6 +190,17 @@ class ChunkText:
         if spans is not None:
             self.spans.append(spans)
 
+    def select(self, keep: list[bool]) -> ChunkText:
+        """The documents where `keep` is true (the counts of what was read unchanged)."""
+        out = ChunkText(records=self.records, skipped=self.skipped, skip_examples=self.skip_examples,
+                        spans=None if self.spans is None else [s for s, k in zip(self.spans, keep) if k])
+        out.keys = [x for x, k in zip(self.keys, keep) if k]
+        if self.token_docs:
+            out.token_docs = [x for x, k in zip(self.token_docs, keep) if k]
+        else:
+            out.texts = [x for x, k in zip(self.texts, keep) if k]
+        return out
+
     def extend(self, other: ChunkText) -> None:
         """Adds another part's counts (not its documents)."""
         self.records += other.records

@@ -22,6 +22,7 @@ import numpy as np
 
 from holotrain.data.chat import assistant_mask, reader_for
 from holotrain.data.shm import new_block
+from holotrain.data.split import Split
 from holotrain.data.sources import Chunk, ChunkText, SourceConfig, read_chunk
 from holotrain.errors import ConfigError
 
@@ -93,7 +94,8 @@ def ignore_stop_signals() -> None:
 
 
 def worker_main(worker_id: int, files: list[str], src: SourceConfig, tokenizer_path: str, eos_id: int,
-                chat_template: str, tasks, results, parent_pid: int, shm_prefix: str = "") -> None:
+                chat_template: str, tasks, results, parent_pid: int, shm_prefix: str = "",
+                split: Split | None = None) -> None:
     """A loader process: it stops when the plane sends None, or when the plane is gone. Its errors go to the plane
     through `results` (which hands them to the training ranks); it prints nothing."""
     ignore_stop_signals()
@@ -119,7 +121,7 @@ def worker_main(worker_id: int, files: list[str], src: SourceConfig, tokenizer_p
             return
         chunk, epoch = task
         try:
-            tokenized = tokenize_chunk(chunk, paths, src.text_field, tokenizer, eos_id, chat)
+            tokenized = tokenize_chunk(chunk, paths, src.text_field, tokenizer, eos_id, chat, split)
             if os.getppid() != parent_pid:  # no one would free the block
                 return
             results.put(("chunk", worker_id, write_block(chunk, epoch, tokenized, shm_prefix)))
@@ -134,9 +136,12 @@ def _failure(e: Exception, worker_id: int, where: dict) -> tuple:
 
 
 def tokenize_chunk(chunk: Chunk, paths: list[Path], text_field: str, tokenizer, eos_id: int,
-                   chat=None) -> TokenizedChunk:
-    """Read and tokenize one chunk (a chat source's with its ChatReader). Every document ends with eos_id."""
+                   chat=None, split: Split | None = None) -> TokenizedChunk:
+    """Read and tokenize one chunk (a chat source's with its ChatReader). Every document ends with eos_id. `split`:
+    which side of the source's validation carve-out to keep (data/split.py); None keeps every document."""
     text = read_chunk(chunk, paths, text_field, eos_id, chat)
+    if split is not None and not split.everything:
+        text = text.select([split.keeps(paths[file], offset) for file, offset in text.keys])
     # Plain text takes the tokenizer's own special tokens (a pretrained Llama's begin-of-text); a rendered chat
     # already holds those its template writes.
     encodings = [] if text.token_docs else tokenizer.encode_batch(text.texts, add_special_tokens=chat is None)

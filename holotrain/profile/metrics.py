@@ -14,7 +14,10 @@ from holotrain.jsonl import truncate_jsonl
 
 
 def _fmt(row: dict) -> str:
-    parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}"]
+    parts = [f"step {row['step']}", f"loss {row['loss']:.4f}"]
+    if row.get("eval.loss") is not None:
+        parts.append(f"eval {row['eval.loss']:.4f}")
+    parts.append(f"lr {row['lr']:.2e}")
     parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
     if row.get("mfu") is not None:
         parts.append(f"mfu {row['mfu'] * 100:.1f}%")

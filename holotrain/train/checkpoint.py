@@ -178,7 +178,7 @@ def checkpoint_bytes(n_params: int, adamw_moments: str = "fp32", delayed_update:
 
 def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict, keep: int,
                      extra_files: dict[str, str] | None = None, group: dist.ProcessGroup | None = None,
-                     threads: int = 1) -> Path:
+                     threads: int = 1, protect: int | None = None) -> Path:
     """Collective over `group` (default: the default group): writes `state` (tensors DCP can save: on the device,
     or a host snapshot of them) as RUN_DIR/checkpoints/step-N atomically. `extra_files` (name -> text, given on
     rank 0) are written into the checkpoint before it is published; then a manifest of every file's size, then
@@ -223,8 +223,9 @@ def write_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict,
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step is replaced only by a complete one
         os.rename(tmp, final)
         _fsync_dir(root)
-        for _, old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old_step, old in list_checkpoints(run_dir)[:-keep]:
+            if old_step != protect:  # the best checkpoint (checkpoint.keep_best) stays
+                shutil.rmtree(old, ignore_errors=True)
         for stale in root.glob(".tmp-step-*"):
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(group)

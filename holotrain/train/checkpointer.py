@@ -9,6 +9,7 @@ training's NCCL collectives. The process waits for the writer when training ends
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -99,6 +100,7 @@ class Checkpointer(BackgroundWriter):
         super().__init__()
         self.section, self.env, self.run_dir = section, env, Path(run_dir)
         self.keep = section.keep
+        self.protect: int | None = None  # a step whose checkpoint is never pruned (checkpoint.keep_best)
         # Files written at once per rank: one thread writes a 1.4b's 16.8 GB far below a disk's bandwidth.
         self.threads = max(1, min(8, (os.cpu_count() or 1) // env.local_world_size))
         self.background = section.async_save
@@ -179,7 +181,8 @@ class Checkpointer(BackgroundWriter):
         """Collective. Writes the checkpoint; one that cannot be written (a full disk) is told in one line and
         training goes on. Whether it was written."""
         try:
-            write_checkpoint(self.run_dir, step, state, trainer_state, self.keep, extra_files, group, self.threads)
+            write_checkpoint(self.run_dir, step, state, trainer_state, self.keep, extra_files, group, self.threads,
+                             self.protect)
             return True
         except NotWritten as e:
             self.unwritten[step] = str(e)
@@ -239,6 +242,9 @@ class HostSnapshot:
             self._buf, self.layout = None, None
 
 
+BEST = "best.json"  # checkpoint.keep_best: the step and eval.loss of the kept best checkpoint
+
+
 class Checkpoints:
     """The run's disk checkpoints (checkpoint.every) and in-memory snapshots (checkpoint.memory_every), as the
     training loop uses them: resuming from the newest, which is due at a step, saving it, their metrics, and at the
@@ -250,6 +256,27 @@ class Checkpoints:
         self.disk = Checkpointer(section, env, run_dir)
         self.memory = RamSnapshots(section, env, run_dir) if section.memory_every else None
         self.run_id = run_id(run_dir)
+        self.best: tuple[int, float] | None = None  # (step, eval.loss) of the best checkpoint (keep_best)
+        best = self.run_dir / "checkpoints" / BEST
+        if section.keep_best and best.is_file():  # a resumed run keeps its best so far
+            saved = json.loads(best.read_text())
+            self.best = (int(saved["step"]), float(saved["eval.loss"]))
+            self.disk.protect = self.best[0]
+
+    def consider_best(self, step: int, eval_loss: float) -> None:
+        """checkpoint.keep_best: the checkpoint just saved at `step` becomes the one kept if its eval.loss is the
+        lowest so far (rank 0 names it in checkpoints/best.json)."""
+        if not self.section.keep_best or (self.best is not None and eval_loss >= self.best[1]):
+            return
+        self.best = (step, eval_loss)
+        self.disk.protect = step
+        if self.env.is_main:
+            path = self.run_dir / "checkpoints" / BEST
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"step": step, "eval.loss": eval_loss,
+                                       "checkpoint": str(self.run_dir / "checkpoints" / f"step-{step}")}) + "\n")
+            os.replace(tmp, path)
 
     def restore(self, optimizer) -> tuple[str, dict, dict[str, str]] | None:
         """Collective. Loads the newest intact state of the run: an in-memory snapshot or a disk checkpoint (the

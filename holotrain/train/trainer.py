@@ -48,6 +48,7 @@ from holotrain.train.resolve import (
     say_schedule_change,
     with_checkpointing,
 )
+from holotrain.train.evaluation import build as build_evaluator
 from holotrain.train.step import TrainStep, lr_at
 
 __all__ = ["TrainStep", "build_model", "build_optimizer", "compute_dtype_for", "lr_at", "model_args", "train"]
@@ -228,12 +229,14 @@ def _train_locked(job: Job, env: DistEnv, stop: StopSignals) -> list[dict]:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
             return []
-        layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.job.seed,
-                        ParallelDims.of(cfg.parallel, env.world_size))
+        dims = ParallelDims.of(cfg.parallel, env.world_size)
+        holdout = cfg.eval.holdout if cfg.eval.every and not cfg.eval.sources else 0.0
+        layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.job.seed, dims, holdout)
+        evaluator = build_evaluator(cfg, env, dims, job.micro, dtype, run_dir)
         data = build_data(cfg.data, env, run_dir, job.tokenizer, layout, data_state, start_step)
         try:
             rows = _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, job.micro, job.accum,
-                         dtype, stop)
+                         dtype, stop, evaluator)
         finally:
             checkpointer.close()  # the last save's write completes before the data plane and the optimizer go
             data.close()
@@ -278,7 +281,7 @@ def _set_up_gpu_memory(cfg: Config, env: DistEnv) -> None:
 
 
 def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, micro, accum, dtype,
-          stop: StopSignals) -> list[dict]:
+          stop: StopSignals, evaluator=None) -> list[dict]:
     logger = profiler.logger(cfg.training.steps, start_step)
     if env.is_main:
         print(
@@ -290,7 +293,8 @@ def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, 
     hardware = build_hardware(cfg.hw, env, cfg.run_dir)
     try:
         hardware.start()
-        return _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum, stop)
+        return _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum, stop,
+                      evaluator)
     finally:
         hardware.close()
         if logger is not None:
@@ -315,7 +319,7 @@ def _global_mean(value: torch.Tensor, env: DistEnv) -> float:
 
 
 def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum,
-           stop: StopSignals) -> list[dict]:
+           stop: StopSignals, evaluator=None) -> list[dict]:
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
     args = model_args(cfg)
     # FLOPs for MFU: the linear layers' per token, and attention's from the documents the rows really hold (packed
@@ -380,7 +384,12 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
         nonfinite += bad
         nonfinite_run.add_(bad).mul_(bad)
 
-        if done % log_every == 0 or done == cfg.training.steps:
+        scores = None
+        if evaluator is not None and (done % cfg.eval.every == 0 or done == cfg.training.steps):
+            scores = evaluator(train_step.model)  # eval.*: logged in this step's row
+            interval_start += scores["time.eval"]  # not training time: the step rate leaves it out
+
+        if done % log_every == 0 or done == cfg.training.steps or scores is not None:
             loss_value = _global_mean(loss_sum, env) / interval_steps
             gn = grad_norm.item()  # synchronizes the device: the interval's time is now complete
             elapsed = time.perf_counter() - interval_start
@@ -417,6 +426,7 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                 **data.metrics(interval_steps),  # data.*
                 **pipeline_bubble(train_step.model, cfg.run_dir, done),  # pp.* (parallel.pp > 1)
                 "train.nonfinite_steps": skipped_total,
+                **(scores or {}),
             }
             if done == cfg.training.steps:  # the last row: goodput so far (RUN_DIR/goodput.json: after teardown)
                 row.update(goodput.summary(checkpointer.blocking_total_s))
@@ -456,6 +466,8 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                 data_state = data.state(done)
                 checkpointer.save(which, done, optimizer,
                                   extra_files={DATA_STATE: json.dumps(data_state)} if env.is_main else None)
+                if which is checkpointer.disk and scores is not None and scores["eval.loss"] is not None:
+                    checkpointer.consider_best(done, scores["eval.loss"])
         if signum:
             saved, in_time = checkpointer.wait_saved(done, cfg.checkpoint.interrupt_grace_s)
             if not in_time:  # the writer would hold the process past its grace period: leave without it

@@ -146,8 +146,12 @@ def write_report(run_dir) -> Path:
     # -- throughput and loss
     tps = _line_chart([{"name": "tokens/s", "color": PALETTE[0], "points": _series(rows, "tokens_per_s")}],
                       chart_id="chart-tokens", title="Throughput", x_label="step", y_label="tokens/s", y_zero=True)
-    loss = _line_chart([{"name": "loss", "color": PALETTE[1], "points": _series(rows, "loss")}],
-                       chart_id="chart-loss", title="Loss", x_label="step", y_label="loss")
+    # Training's loss and, at the evaluated steps, the held-out (or eval.sources') loss beside it.
+    series = [{"name": "loss", "color": PALETTE[1], "points": _series(rows, "loss")}]
+    evaluated = [(x, y) for x, y in _series(rows, "eval.loss") if y is not None]  # a line through the eval steps
+    if evaluated:
+        series.append({"name": "eval loss", "color": PALETTE[2], "points": evaluated})
+    loss = _line_chart(series, chart_id="chart-loss", title="Loss", x_label="step", y_label="loss")
     body = _figs(tps, loss)
     if not tps:
         body += _note("No tokens_per_s in metrics.jsonl.")
