@@ -94,6 +94,17 @@ def run_cli(*args, env=None, check=True, timeout=600) -> subprocess.CompletedPro
     return proc
 
 
+def run_worker(script: str, nproc: int, ok: str, timeout: int = 300) -> str:
+    """Runs tests/<script> under torchrun on `nproc` gloo ranks (one thread each); asserts it exits 0 having printed
+    `ok`, and returns its stdout and stderr together."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", f"tests/{script}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and ok in proc.stdout, out[-6000:]
+    return out
+
+
 def run_cli_here(*args) -> subprocess.CompletedProcess:
     """holotrain's main() in this process, for a command that ends at a user error before anything starts (a
     process of its own costs seconds of startup). An exception that escapes main() fails the test."""

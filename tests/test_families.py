@@ -87,18 +87,9 @@ def test_a_switch_outside_the_family_is_one_line():
 def test_every_family_under_fsdp_tp_cp_and_pp_trains_as_one_process():
     """One torchrun launch of 2 gloo ranks: each family under dp=2 (FSDP2), tp=2, cp=2 and pp=2 gives one process's
     losses over 5 steps of packed documents (tests/families_worker.py)."""
-    import os
-    import subprocess
-    import sys
+    from tests.conftest import run_worker
 
-    from tests.conftest import REPO
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/families_worker.py"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "FAMILIES WORKER OK" in proc.stdout, out[-6000:]
+    out = run_worker("families_worker.py", 2, "FAMILIES WORKER OK")
     assert out.count("losses equal one process's") == 16
 
 

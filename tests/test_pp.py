@@ -3,21 +3,24 @@ stage models, and every schedule trained against one process (tests/pp_worker.py
 
 import copy
 import itertools
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from holotrain.errors import ConfigError
-from holotrain.model.families.llama import PRESETS
 from holotrain.model import ModelArgs, build
 from holotrain.model.costs import flops_per_token
-from holotrain.parallel.pp import (SCHEDULES, rank_stages, stage_bounds, stage_model, stages_per_rank,
-                                   unit_costs)
-from tests.conftest import REPO
+from holotrain.model.families.llama import PRESETS
+from holotrain.parallel.pp import (
+    SCHEDULES,
+    rank_stages,
+    stage_bounds,
+    stage_model,
+    stages_per_rank,
+    unit_costs,
+)
+from tests.conftest import run_worker
 
 
 @pytest.mark.slow
@@ -26,12 +29,8 @@ def test_every_schedule_at_pp4_and_pp2_beside_dp_tp_or_cp_trains_as_one_process(
     (20 steps each), at pp=2 x tp=2 and at pp=2 x cp=2 (ring) (5 steps each), on packed documents with masked
     targets: losses, gradient norms, gradients and weights equal one process's with gradient accumulation over the
     same micro-batches (fp32)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "tests/pp_worker.py"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "PP WORKER OK" in proc.stdout, out[-6000:]
-    assert proc.stdout.count("weights equal one process's") == 4 * len(SCHEDULES), proc.stdout
+    out = run_worker("pp_worker.py", 4, "PP WORKER OK")
+    assert out.count("weights equal one process's") == 4 * len(SCHEDULES), out
 
 
 def _largest(costs, bounds):

@@ -18,7 +18,7 @@ from torch import nn
 
 from holotrain.model.args import ModelArgs
 from holotrain.model.head import fused_linear_cross_entropy, piece as head_piece
-from holotrain.model.parts import RMSNorm, attention_mask, doc_positions
+from holotrain.model.parts import Attention, Block, FeedForward, RMSNorm, attention_mask, doc_positions
 from holotrain.model.rope import rope_tables
 
 
@@ -88,6 +88,7 @@ class Decoder(nn.Module):
         self.pipeline_stage = False
         # The loss's units, compiled in place by compile_regions.
         self._whole_loss, self._loss_piece = self._loss_sum_mean, head_piece
+        self._masks: dict = {}  # the sliding window's mask by (length, device), for rows without documents
         if not self.output.weight.is_meta:  # a model built on "meta" is initialized after placement
             self.init_weights()
 
@@ -211,8 +212,9 @@ class Decoder(nn.Module):
             else:
                 pos = doc_positions(doc_ids)
                 cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [B, T, D]
-            # Built once per forward and shared by every block.
-            mask = attention_mask(doc_ids, self.args.sliding_window, T, tokens.device)
+            # Shared by every block: built once per forward, or once per run where only the length decides it.
+            mask = (attention_mask(doc_ids, self.args.sliding_window, T, tokens.device) if doc_ids is not None
+                    else self._fixed_mask(T, tokens.device))
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         if torch.is_autocast_enabled(h.device.type):
             # Carry the residual stream in the autocast dtype (bf16), as FSDP2's bf16 parameters do:
@@ -246,6 +248,15 @@ class Decoder(nn.Module):
         cache.length += n
         return self.output(self.norm(h[:, -1:]))
 
+    def _fixed_mask(self, T: int, device: torch.device):
+        """The mask of rows without documents: None (plain causal), or the sliding window's, made once per length."""
+        if not self.args.sliding_window:
+            return None
+        key = (T, device)
+        if key not in self._masks:
+            self._masks[key] = attention_mask(None, self.args.sliding_window, T, device)
+        return self._masks[key]
+
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and mean cross-entropy (in fp32) over targets other than -100.
 
@@ -274,6 +285,16 @@ class Decoder(nn.Module):
         logits = self.output(self.norm(h))
         total = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
         return total, (targets != -100).sum()
+
+
+def dense_block(args: ModelArgs) -> Block:
+    """The block of the dense families: attention (with whatever q/k norm, biases and window `args` switch on) and the
+    SwiGLU feed-forward."""
+    return Block(args, Attention(args), FeedForward(args))
+
+
+def build_dense(args: ModelArgs) -> Decoder:
+    return Decoder(args, dense_block)
 
 
 class LayerCache:

@@ -7,8 +7,6 @@ in FAMILIES.
 
 from __future__ import annotations
 
-import dataclasses
-
 from torch import nn
 
 from holotrain.errors import ConfigError
@@ -76,7 +74,3 @@ def build(args: ModelArgs) -> nn.Module:
     """The model of these arguments (on the current default device: "meta" builds it without memory)."""
     return family_of(args.family).build(args)
 
-
-def replace(args: ModelArgs, **changes) -> ModelArgs:
-    """A copy with some fields changed (head_dim kept unless given)."""
-    return dataclasses.replace(args, **changes)

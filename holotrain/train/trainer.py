@@ -210,7 +210,9 @@ def _train_locked(job: Job, env: DistEnv, stop: StopSignals) -> list[dict]:
     dtype = compute_dtype_for(cfg, env.device)
     memory = build_memory(cfg.memory, env)
     profiler = build_profiler(cfg.profile, env, run_dir)
-    model = build_model(cfg, env, dtype, memory, build_parallel(cfg.parallel, env), pretrained=not job.resume)
+    par = build_parallel(cfg.parallel, env)
+    dims = par.dims  # the layout's sizes, for the data plane, validation and MFU
+    model = build_model(cfg, env, dtype, memory, par, pretrained=not job.resume)
     optimizer = memory.optimizer(model, AdamWHyper.from_section(cfg.training), cfg.training.lr, dtype,
                                  profiler.clock)
     checkpointer = Checkpoints(cfg.checkpoint, env, run_dir, cfg.training.steps)
@@ -229,14 +231,13 @@ def _train_locked(job: Job, env: DistEnv, stop: StopSignals) -> list[dict]:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {start_step} (training.steps={cfg.training.steps})")
             return []
-        dims = ParallelDims.of(cfg.parallel, env.world_size)
         holdout = cfg.eval.holdout if cfg.eval.every and not cfg.eval.sources else 0.0
         layout = Layout(cfg.training.batch_size, job.micro, job.accum, cfg.job.seed, dims, holdout)
         evaluator = build_evaluator(cfg, env, dims, job.micro, dtype, run_dir)
         data = build_data(cfg.data, env, run_dir, job.tokenizer, layout, data_state, start_step)
         try:
             rows = _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, job.micro, job.accum,
-                         dtype, stop, evaluator)
+                         dtype, stop, dims, evaluator)
         finally:
             checkpointer.close()  # the last save's write completes before the data plane and the optimizer go
             data.close()
@@ -281,7 +282,7 @@ def _set_up_gpu_memory(cfg: Config, env: DistEnv) -> None:
 
 
 def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, micro, accum, dtype,
-          stop: StopSignals, evaluator=None) -> list[dict]:
+          stop: StopSignals, dims: ParallelDims, evaluator=None) -> list[dict]:
     logger = profiler.logger(cfg.training.steps, start_step)
     if env.is_main:
         print(
@@ -294,7 +295,7 @@ def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, 
     try:
         hardware.start()
         return _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum, stop,
-                      evaluator)
+                      dims, evaluator)
     finally:
         hardware.close()
         if logger is not None:
@@ -319,14 +320,14 @@ def _global_mean(value: torch.Tensor, env: DistEnv) -> float:
 
 
 def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum,
-           stop: StopSignals, evaluator=None) -> list[dict]:
+           stop: StopSignals, dims: ParallelDims, evaluator=None) -> list[dict]:
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
     args = model_args(cfg)
     # FLOPs for MFU: the linear layers' per token, and attention's from the documents the rows really hold (packed
     # documents attend only within themselves), 12 * n_layers * q_dim per (token, key) pair of the full square, as
     # flops_per_token counts one sequence. A tensor-, context- or pipeline-parallel group shares its rows.
     linear_per_step = flops_per_token(args, 0) * tokens_per_step / env.world_size
-    attention_per_pair = 12 * args.n_layers * args.q_dim / ParallelDims.of(cfg.parallel, env.world_size).model_ranks
+    attention_per_pair = 12 * args.n_layers * args.q_dim / dims.model_ranks
     pairs = torch.zeros((), dtype=torch.float64, device=env.device)  # this rank's, over the interval
     # The document-masked micro-batches' share of the causal triangle that flex_attention visits, summed over the
     # interval (the time model's attention density, plan/attention.py), and their count: read at log time only.

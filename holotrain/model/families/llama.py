@@ -5,16 +5,7 @@ grouped-query attention, rotary positions and a SwiGLU feed-forward. Some checkp
 from __future__ import annotations
 
 from holotrain.model.args import Family, ModelArgs
-from holotrain.model.decoder import Decoder
-from holotrain.model.parts import Attention, Block, FeedForward
-
-
-def block(args: ModelArgs) -> Block:
-    return Block(args, Attention(args), FeedForward(args))
-
-
-def build(args: ModelArgs) -> Decoder:
-    return Decoder(args, block)
+from holotrain.model.decoder import build_dense
 
 
 def from_hf(config: dict, where: str) -> dict:
@@ -45,5 +36,5 @@ PRESETS = {
 }
 
 FAMILY = Family(name="llama", presets=PRESETS, hf_model_types=("llama",), hf_architecture="LlamaForCausalLM",
-                allowed=("qkv_bias", "out_bias", "mlp_bias"), from_hf=from_hf, to_hf=to_hf, build=build,
+                allowed=("qkv_bias", "out_bias", "mlp_bias"), from_hf=from_hf, to_hf=to_hf, build=build_dense,
                 check=check)

@@ -5,16 +5,7 @@ from __future__ import annotations
 
 from holotrain.errors import ConfigError
 from holotrain.model.args import Family, ModelArgs
-from holotrain.model.decoder import Decoder
-from holotrain.model.parts import Attention, Block, FeedForward
-
-
-def block(args: ModelArgs) -> Block:
-    return Block(args, Attention(args), FeedForward(args))
-
-
-def build(args: ModelArgs) -> Decoder:
-    return Decoder(args, block)
+from holotrain.model.decoder import build_dense
 
 
 def from_hf(config: dict, where: str) -> dict:
@@ -37,4 +28,4 @@ PRESETS = {
 
 FAMILY = Family(name="mistral", presets=PRESETS, hf_model_types=("mistral",), hf_architecture="MistralForCausalLM",
                 fixed={"qkv_bias": False, "out_bias": False, "mlp_bias": False, "qk_norm": False},
-                allowed=("sliding_window",), from_hf=from_hf, to_hf=to_hf, build=build)
+                allowed=("sliding_window",), from_hf=from_hf, to_hf=to_hf, build=build_dense)

@@ -6,16 +6,7 @@ from __future__ import annotations
 
 from holotrain.errors import ConfigError
 from holotrain.model.args import Family, ModelArgs
-from holotrain.model.decoder import Decoder
-from holotrain.model.parts import Attention, Block, FeedForward
-
-
-def block(args: ModelArgs) -> Block:
-    return Block(args, Attention(args), FeedForward(args))  # Attention adds q_norm and k_norm (args.qk_norm)
-
-
-def build(args: ModelArgs) -> Decoder:
-    return Decoder(args, block)
+from holotrain.model.decoder import build_dense
 
 
 def from_hf(config: dict, where: str) -> dict:
@@ -49,4 +40,4 @@ PRESETS = {
 
 FAMILY = Family(name="qwen3", presets=PRESETS, hf_model_types=("qwen3",), hf_architecture="Qwen3ForCausalLM",
                 fixed={"qk_norm": True, "mlp_bias": False}, allowed=("qkv_bias", "out_bias"), from_hf=from_hf,
-                to_hf=to_hf, build=build, check=check)
+                to_hf=to_hf, build=build_dense, check=check)
