@@ -148,7 +148,7 @@ class EvalConfig(Section):
     """Validation (holotrain/train/evaluation.py): the loss on documents training never sees."""
 
     every: int = 50  # steps between evaluations, and one at the end of the run; 0 = off
-    batches: int = 2  # rows evaluated per source: this many times training.batch_size
+    batches: int = 2  # batches of training.batch_size rows each eval scores, shared among the sources by weight
     # The share of each training source's documents held out (whole documents, by a hash of where they are: the
     # same split on every rank, after a resume and after a loader restarts); used when eval.sources is empty.
     holdout: float = 0.01

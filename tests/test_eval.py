@@ -56,6 +56,7 @@ def test_the_evaluator_is_the_mean_over_target_tokens():
         targets[2, 8:] = -100
         sets[name] = EvalRows(inputs, targets, torch.zeros_like(inputs))
     got = Evaluator(sets, ParallelDims(world=1), 0, 2, torch.device("cpu"), autocast=False)(model)
+    assert all(p.grad is None for p in model.parameters())  # training's grad mode, but nothing flows back
     with torch.no_grad():
         sums = {n: F.cross_entropy(model(r.inputs).flatten(0, 1), r.targets.flatten(), ignore_index=-100,
                                    reduction="sum").item() for n, r in sets.items()}
@@ -116,3 +117,14 @@ def test_keep_best_protects_the_best_checkpoint_from_pruning(tmp_path):
     losses = {r["step"]: r["eval.loss"] for r in read_metrics(run) if r.get("eval.loss") is not None}
     assert best["eval.loss"] == min(losses.values()) and losses[best["step"]] == best["eval.loss"]
     assert (run / "checkpoints" / f"step-{best['step']}").is_dir()
+
+
+def test_eval_rows_are_shared_among_the_sources_by_weight():
+    """eval.batches x batch_size rows in all, by the sources' weights; a source short of its share leaves the rest
+    to the others."""
+    from holotrain.train.evaluation import allot
+
+    assert allot({"code": 80, "docs": 80}, {"code": 0.7, "docs": 0.3}, 80) == {"code": 56, "docs": 24}
+    assert allot({"code": 80, "docs": 7}, {"code": 0.7, "docs": 0.3}, 80) == {"code": 73, "docs": 7}
+    assert allot({"a": 1, "b": 1, "c": 100}, {"a": 1, "b": 1, "c": 1}, 10) == {"a": 1, "b": 1, "c": 8}
+    assert allot({"a": 3, "b": 3}, {"a": 1, "b": 1}, 100) == {"a": 3, "b": 3}

@@ -24,6 +24,7 @@ from holotrain.errors import ConfigError
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 STDLIB_WEIGHTS = {"code": 0.7, "docs": 0.3}
+CORPUS_LAYOUT = 2  # 2: files holding only whitespace left out
 
 
 def cache_dir(configured: str) -> Path:
@@ -42,7 +43,9 @@ def stdlib_sources(root: Path) -> list[SourceConfig]:
     """The embedded default: code and docstrings of this Python's standard library, as two jsonl sources."""
     lib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(_stdlib_files(lib))
-    key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:16]
+    # The layout's version leads the key, so a cache written by an older layout is not read as this one.
+    listing = "\n".join([f"layout {CORPUS_LAYOUT}"] + [f"{p}:{p.stat().st_size}" for p in files])
+    key = hashlib.sha256(listing.encode()).hexdigest()[:16]
     directory = root / f"stdlib-{key}"
     if not (directory / "docs.jsonl").is_file():
         directory.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +55,8 @@ def stdlib_sources(root: Path) -> list[SourceConfig]:
                 try:
                     text = path.read_text(encoding="utf-8")
                 except (OSError, UnicodeDecodeError):
+                    continue
+                if not text.strip():  # an empty __init__.py is no document (and would count as a skipped record)
                     continue
                 name = str(path.relative_to(lib))
                 code.write(json.dumps({"text": text, "file": name}) + "\n")

@@ -74,6 +74,26 @@ def build_rows(sources: list, share: float, held: bool, tokenizer_path: str | Pa
     return out
 
 
+def allot(available: dict[str, int], weights: dict[str, float], total: int) -> dict[str, int]:
+    """How many of `total` rows each source gets: shares by weight, a source that holds fewer than its share giving
+    what it lacks to the others (by their weights), so that the eval scores `total` rows where the sources hold
+    them."""
+    given = {name: 0 for name in available}
+    open_ = [name for name in available if available[name] > 0]
+    left = min(total, sum(available.values()))
+    while left > 0 and open_:
+        weight = sum(weights[n] for n in open_) or len(open_)
+        shares = {n: (weights[n] or 1.0) * left / weight for n in open_}
+        step = 0
+        for n in open_:
+            take = min(available[n] - given[n], max(1, int(shares[n])), left - step)
+            given[n] += take
+            step += take
+        left -= step
+        open_ = [n for n in open_ if given[n] < available[n]]
+    return given
+
+
 class Evaluator:
     """The validation set of a job and the loop that scores the model on it."""
 
@@ -101,17 +121,24 @@ class Evaluator:
         for i in range(0, per, self.micro):
             yield [t[i:i + self.micro].to(self.device, non_blocking=True) for t in mine]
 
-    @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> dict:
         """eval.loss and eval.ppl over every source's target tokens, the same per source (eval.<name>.loss,
         eval.<name>.ppl), eval.tokens and time.eval; the same on every rank."""
+        # The forwards run in grad mode, as training's do: compiled regions are guarded on it, and under no_grad the
+        # first eval would compile a second graph of each (8-10 s for the 1.4b). Each loss is detached at once, so
+        # its activations are freed before the next forward. Not under activation offload, whose hooks would copy
+        # the saved tensors out for a backward that never comes (one more graph is compiled then).
+        with torch.set_grad_enabled(model.hooks.run_block is None):
+            return self._score(model)
+
+    def _score(self, model: torch.nn.Module) -> dict:
         t0 = time.perf_counter()
         totals = torch.zeros(len(self.rows), 2, dtype=torch.float64, device=self.device)  # (loss sum, targets)
         sequence = model.hooks.sequence
         for s, rows in enumerate(self.rows.values()):
             for inputs, targets, doc_ids in self._share(rows):
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                    loss = model(inputs, targets, doc_ids).float()
+                    loss = model(inputs, targets, doc_ids).detach().float()
                 if sequence is not None:  # each rank's weighted share of the sequence's mean: their mean is it
                     dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=sequence.group)
                 count = (targets != -100).sum()
@@ -153,8 +180,12 @@ def build(cfg, env, dims, micro: int, dtype: torch.dtype, run_dir: Path) -> Eval
     eos_id, pad_id = special_ids(Tokenizer.from_file(str(tokenizer_path)), tokenizer_path)
     sources = cfg.eval.sources or cfg.data.sources
     template = template_for(sources, cfg.data.chat_template, tokenizer_path)
+    total = cfg.eval.batches * cfg.training.batch_size
     rows = build_rows(sources, cfg.eval.holdout, not cfg.eval.sources, tokenizer_path, template, eos_id, pad_id,
-                      cfg.data.seq_len, cfg.eval.batches * cfg.training.batch_size)
+                      cfg.data.seq_len, total)
+    counts = allot({n: r.inputs.shape[0] for n, r in rows.items()}, {s.name: s.weight for s in sources}, total)
+    rows = {n: EvalRows(*(t[:counts[n]] for t in (r.inputs, r.targets, r.doc_ids))) for n, r in rows.items()
+            if counts[n]}
     if not rows:
         if env.is_main:
             print(f"holotrain: warning: eval: no document to evaluate on (eval.holdout = {cfg.eval.holdout:g} of "
