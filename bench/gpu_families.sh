@@ -26,6 +26,9 @@ for part in $parts; do case $part in
   plan) for job in ${PLANS:-1.4b qwen3 1.4b-8k}; do case $job in
           1.4b) train plan-1.4b --config 1.4b --plan auto --plan.trials=0 ;;
           qwen3) train plan-qwen3 --config qwen3-1.7b --plan auto --plan.trials=0 ;;
+          qwen3-only)  # the plan alone (its prediction against the mfu part's run, where the settings agree)
+            timeout 200 python3 -m holotrain.cli plan --config qwen3-1.7b --plan.trials=0 --out "$out/plan-qwen3-only" \
+              > "$out/plan-qwen3-only.log" 2>&1; echo "== plan qwen3-only: rc $?"; tail -4 "$out/plan-qwen3-only.log" ;;
           1.4b-8k) train plan-1.4b-8k --config 1.4b --data.seq_len=8192 --training.batch_size=4 \
                      --hw.gpu_memory_gb=40 --plan auto --plan.trials=0 ;;
         esac; done ;;

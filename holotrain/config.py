@@ -154,10 +154,17 @@ class EvalConfig(Section):
     holdout: float = 0.01
     # [[eval.sources]] tables (keys as [[data.sources]]): evaluate on these instead of a held-out share.
     sources: list = field(default_factory=list)
+    # Each eval continues these prompts greedily by sample_tokens tokens (eval.samples in the metrics and the
+    # report); empty: the opening of each source's first evaluation document. sample_tokens = 0: none.
+    prompts: list = field(default_factory=list)
+    sample_tokens: int = 32
 
     def check(self) -> None:
         need(self.every >= 0, f"eval.every must be >= 0 (0 = off), got {self.every}")
         need(self.batches >= 1, f"eval.batches must be >= 1, got {self.batches}")
+        need(self.sample_tokens >= 0, f"eval.sample_tokens must be >= 0 (0 = no samples), got {self.sample_tokens}")
+        need(all(isinstance(p, str) and p for p in self.prompts),
+             f"eval.prompts must be a list of non-empty strings, got {self.prompts!r}")
         need(0 <= self.holdout < 1, f"eval.holdout must be in [0, 1), got {self.holdout}")
         if self.sources:
             validate_sources(self.sources)

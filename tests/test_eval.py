@@ -84,6 +84,8 @@ def test_eval_rows_and_no_held_out_document_is_trained_on(tmp_path):
     for r in evaluated:
         assert r["eval.ppl"] == pytest.approx(math.exp(r["eval.loss"]))
         assert {"eval.code.loss", "eval.docs.loss", "eval.tokens", "time.eval"} <= set(r)
+        # Samples: the opening of each source's first held-out document, continued by eval.sample_tokens tokens.
+        assert len(r["eval.samples"]) == 2 and all(s["prompt"] and s["text"] for s in r["eval.samples"])
         assert min(r["eval.code.loss"], r["eval.docs.loss"]) <= r["eval.loss"] <= max(r["eval.code.loss"],
                                                                                      r["eval.docs.loss"])
     assert evaluated[-1]["eval.loss"] < evaluated[0]["eval.loss"]
@@ -128,3 +130,23 @@ def test_eval_rows_are_shared_among_the_sources_by_weight():
     assert allot({"code": 80, "docs": 7}, {"code": 0.7, "docs": 0.3}, 80) == {"code": 73, "docs": 7}
     assert allot({"a": 1, "b": 1, "c": 100}, {"a": 1, "b": 1, "c": 1}, 10) == {"a": 1, "b": 1, "c": 8}
     assert allot({"a": 3, "b": 3}, {"a": 1, "b": 1}, 100) == {"a": 3, "b": 3}
+
+
+def test_eval_samples_continue_as_generation_does():
+    """The samples' fixed-length forwards (right-padded, no cache) draw the same greedy tokens as generation with its
+    KV cache (holotrain generate's path)."""
+    from holotrain.model import ModelArgs, build
+    from holotrain.model.decoder import KVCache
+    from holotrain.train.samples import Samples
+
+    torch.manual_seed(0)
+    model = build(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97,
+                            max_seq_len=64)).eval()
+    prompt = [5, 17, 3, 42, 8]
+    drawn = Samples([], None, 12, torch.device("cpu"), autocast=False)._continue(model, prompt)
+    cache = KVCache(model.args, 1, 64, torch.device("cpu"), torch.float32)
+    logits, expected = model.decode(torch.tensor([prompt]), cache), []
+    for _ in range(12):
+        expected.append(int(logits[0, -1].argmax()))
+        logits = model.decode(torch.tensor([[expected[-1]]]), cache)
+    assert drawn == expected

@@ -24,6 +24,7 @@ from holotrain.data.packing import Bin, Piece, sample_arrays
 from holotrain.data.sources import plan_chunks, source_files
 from holotrain.data.split import Split
 from holotrain.data.worker import tokenize_chunk
+from holotrain.train.samples import build as build_samples
 
 CHUNK_BYTES = 1 << 20
 
@@ -98,9 +99,10 @@ class Evaluator:
     """The validation set of a job and the loop that scores the model on it."""
 
     def __init__(self, rows: dict[str, EvalRows], dims, rank: int, micro: int, device: torch.device,
-                 autocast: bool):
+                 autocast: bool, samples=None):
         self.rows, self.dims, self.rank, self.micro = rows, dims, rank, micro
         self.device, self.autocast = device, autocast
+        self.samples = samples  # train/samples.py: prompts continued at each eval, or None
         self.leader = rank % dims.batch_group == 0  # one rank of each tensor- and context-parallel group adds up
 
     @property
@@ -128,11 +130,15 @@ class Evaluator:
         # first eval would compile a second graph of each (8-10 s for the 1.4b). Each loss is detached at once, so
         # its activations are freed before the next forward. Not under activation offload, whose hooks would copy
         # the saved tensors out for a backward that never comes (one more graph is compiled then).
+        t0 = time.perf_counter()
         with torch.set_grad_enabled(model.hooks.run_block is None):
-            return self._score(model)
+            row = self._score(model)
+        if self.samples is not None:
+            row.update(self.samples(model))
+        row["time.eval"] = time.perf_counter() - t0
+        return row
 
     def _score(self, model: torch.nn.Module) -> dict:
-        t0 = time.perf_counter()
         totals = torch.zeros(len(self.rows), 2, dtype=torch.float64, device=self.device)  # (loss sum, targets)
         sequence = model.hooks.sequence
         for s, rows in enumerate(self.rows.values()):
@@ -157,9 +163,6 @@ class Evaluator:
         row["eval.loss"] = total / count if count else None
         row["eval.ppl"] = math.exp(min(total / count, 50.0)) if count else None
         row["eval.tokens"] = int(count)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        row["time.eval"] = time.perf_counter() - t0
         return row
 
 
@@ -191,8 +194,10 @@ def build(cfg, env, dims, micro: int, dtype: torch.dtype, run_dir: Path) -> Eval
             print(f"holotrain: warning: eval: no document to evaluate on (eval.holdout = {cfg.eval.holdout:g} of "
                   "the sources held none out); set eval.sources or a larger eval.holdout", flush=True)
         return None
-    evaluator = Evaluator(rows, dims, env.rank, micro, env.device,
-                          autocast=dtype == torch.bfloat16 and env.world_size == 1)
+    autocast = dtype == torch.bfloat16 and env.world_size == 1
+    samples = build_samples(cfg, dims, rows, Tokenizer.from_file(str(tokenizer_path)), env.device, autocast,
+                            env.is_main)
+    evaluator = Evaluator(rows, dims, env.rank, micro, env.device, autocast, samples)
     if env.is_main:
         what = ", ".join(f"{name} {r.target_tokens:,}" for name, r in rows.items())
         print(f"holotrain: eval every {cfg.eval.every} steps on the target tokens of "

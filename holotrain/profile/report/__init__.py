@@ -162,6 +162,9 @@ def write_report(run_dir) -> Path:
         body += _note(f"Steps {', '.join(str(t) for t in sorted(traced))} ran under torch.profiler "
                       "(profile.trace_steps): their logged interval is slower by design.")
     parts.append(_section("Throughput and loss", body, "throughput"))
+    sampled = _samples_section(rows)
+    if sampled:
+        parts.append(_section("What the model says at each eval", sampled, "samples"))
     parts.append(_section("Goodput", _goodput_section(run_dir, rows), "goodput"))
     planned = plan_section(run_dir, rows)
     if planned is not None:
@@ -253,6 +256,21 @@ GOODPUT_PARTS = (("startup", "start-up: process, data plane, model build, compil
                  ("recovery", "recovery: loading the checkpoint resumed from"),
                  ("train", "training steps"), ("checkpoint", "checkpoint saves (blocking part)"),
                  ("data_wait", "waiting for data"), ("other", "the rest: teardown, last write, logging"))
+
+
+def _samples_section(rows: list[dict], last: int = 6) -> str:
+    """The eval.samples of the last `last` evals: per prompt, its greedy continuation at each of those steps."""
+    evals = [r for r in rows if isinstance(r.get("eval.samples"), list) and r["eval.samples"]][-last:]
+    if not evals:
+        return ""
+    prompts = list(dict.fromkeys(s.get("prompt", "") for r in evals for s in r["eval.samples"]))
+    body = []
+    for prompt in prompts:
+        lines = [(f"step {r['step']}", next((s.get("text", "") for s in r["eval.samples"]
+                                             if s.get("prompt") == prompt), "")) for r in evals]
+        body.append(f"<h3>{esc(repr(prompt))}</h3>" + _table(lines, "samples"))
+    return "".join(body) + _note("Greedy continuations of eval.prompts (or each source's first held-out document) "
+                                 "at each eval; the newest last.")
 
 
 def _goodput_section(run_dir: Path, rows: list[dict]) -> str:

@@ -63,7 +63,7 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bott
 .sub{color:#666;margin:0 0 12px}
 table{border-collapse:collapse;margin:6px 0}th,td{padding:3px 10px;border-bottom:1px solid #eee;text-align:left;
  vertical-align:top}th{font-weight:600;color:#444}
-table.kv th{width:220px}td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.kv th{width:220px}table.samples th{width:90px}table.samples td{white-space:pre-wrap;font-family:monospace}td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .charts{display:flex;flex-wrap:wrap;gap:16px}figure{margin:0}
 svg.chart{background:#fff;max-width:100%;height:auto}svg text{font:11px sans-serif;fill:#333}
 svg text.title{font:bold 13px sans-serif}svg text.axis{fill:#555}svg text.small{font-size:10px;fill:#666}
