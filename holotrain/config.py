@@ -167,7 +167,7 @@ class EvalConfig(Section):
              f"eval.prompts must be a list of non-empty strings, got {self.prompts!r}")
         need(0 <= self.holdout < 1, f"eval.holdout must be in [0, 1), got {self.holdout}")
         if self.sources:
-            validate_sources(self.sources)
+            validate_sources(self.sources, "eval")
         need(self.sources or self.holdout > 0 or self.every == 0, "eval.holdout = 0 holds no document out: set "
              "eval.sources, a holdout share, or eval.every = 0")
 

@@ -55,8 +55,8 @@ class SourceConfig:
     path_field: str = "file"
 
 
-def validate_sources(sources: list[SourceConfig]) -> None:
-    """The checks of the [[data.sources]] tables (config.validate): the first failing one as a ConfigError."""
+def validate_sources(sources: list[SourceConfig], section: str = "data") -> None:
+    """The checks of the [[data.sources]] (or [[eval.sources]]) tables: the first failing one as a ConfigError."""
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
@@ -64,25 +64,27 @@ def validate_sources(sources: list[SourceConfig]) -> None:
 
     names = [s.name for s in sources]
     for i, src in enumerate(sources):
-        need(bool(src.name), f"data.sources[{i}].name is empty")
-        need(bool(src.path), f"data.sources[{src.name}].path is empty")
-        need(src.weight >= 0, f"data.sources[{src.name}].weight must be >= 0, got {src.weight}")
+        need(bool(src.name), f"{section}.sources[{i}].name is empty")
+        need(bool(src.path), f"{section}.sources[{src.name}].path is empty")
+        need(src.weight >= 0, f"{section}.sources[{src.name}].weight must be >= 0, got {src.weight}")
         sched = src.weight_schedule
         ok = isinstance(sched, list) and all(
             isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p) and p[1] >= 0
             for p in sched
         ) and all(a[0] < b[0] for a, b in zip(sched, sched[1:]))
-        need(ok, f"data.sources[{src.name}].weight_schedule must be [[step, weight], ...] with increasing steps")
-        need(src.format in SOURCE_FORMATS, f"data.sources[{src.name}].format must be 'text' or 'chat', got {src.format!r}")
+        need(ok, f"{section}.sources[{src.name}].weight_schedule must be [[step, weight], ...] with increasing steps")
+        need(src.format in SOURCE_FORMATS,
+             f"{section}.sources[{src.name}].format must be 'text' or 'chat', got {src.format!r}")
         for key in ("messages_field", "prompt_field", "response_field"):
-            need(src.format != "chat" or bool(getattr(src, key)), f"data.sources[{src.name}].{key} is empty")
+            need(src.format != "chat" or bool(getattr(src, key)), f"{section}.sources[{src.name}].{key} is empty")
         need(src.document in DOCUMENTS,
-             f"data.sources[{src.name}].document must be 'record' or 'directory', got {src.document!r}")
+             f"{section}.sources[{src.name}].document must be 'record' or 'directory', got {src.document!r}")
         need(src.document == "record" or src.format == "text",
-             f"data.sources[{src.name}].document = 'directory' joins text documents, not format = {src.format!r}")
-        need(src.document == "record" or bool(src.path_field), f"data.sources[{src.name}].path_field is empty")
-    need(len(set(names)) == len(names), f"data.sources: names must be unique, got {names}")
-    need(not sources or any(s.weight > 0 or s.weight_schedule for s in sources), "data.sources: all weights are 0")
+             f"{section}.sources[{src.name}].document = 'directory' joins text documents, not format = {src.format!r}")
+        need(src.document == "record" or bool(src.path_field), f"{section}.sources[{src.name}].path_field is empty")
+    need(len(set(names)) == len(names), f"{section}.sources: names must be unique, got {names}")
+    need(not sources or any(s.weight > 0 or s.weight_schedule for s in sources),
+         f"{section}.sources: all weights are 0")
 
 
 @dataclass(frozen=True)
