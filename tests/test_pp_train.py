@@ -36,6 +36,9 @@ def test_pipeline_trains_like_one_process_resumes_exactly_and_at_other_degrees(t
         assert rb["loss"] == pytest.approx(ra["loss"], abs=2e-4), (ra, rb)
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3), (ra, rb)
     assert b[-1]["loss"] < b[0]["loss"]
+    # Validation at the end of the run, through the schedule forward only: the same held-out loss.
+    assert b[-1]["eval.loss"] == pytest.approx(a[-1]["eval.loss"], abs=2e-4) and b[-1]["eval.tokens"] == a[-1][
+        "eval.tokens"]
     # The bubble of each logged step, measured beside the model's; the last one drawn in the report.
     assert all(0 < r["pp.bubble_share"] < 1 and 0 < r["pp.bubble_share_model"] < 1 for r in b[1:]), b
     timeline = json.loads((pp2 / "pipeline_timeline.json").read_text())
@@ -67,6 +70,8 @@ def test_pipeline_trains_like_one_process_resumes_exactly_and_at_other_degrees(t
         rows = read_metrics(run)
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         assert rows[3]["loss"] == pytest.approx(b[3]["loss"], abs=1e-5), (run.name, rows[3], b[3])
+        # pp=1, pp=4 (1f1b) and pp=2 x tp=2 score the end-of-run eval alike.
+        assert rows[3]["eval.loss"] == pytest.approx(read_metrics(at_pp1)[3]["eval.loss"], abs=2e-4), run.name
 
     run_cli("export", str(pp2), str(tmp_path / "hf-pp2"))
     run_cli("export", str(one), str(tmp_path / "hf-one"))

@@ -30,6 +30,8 @@ accumulation, the step's loss on every rank, and the gradient norm over all stag
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import warnings
 
@@ -244,6 +246,59 @@ class Pipeline:
         return loss
 
 
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The batch's micro-batches through the schedule forward only (validation); returns each micro-batch's mean
+        loss over its targets [n_microbatches], on every rank of the pipeline."""
+        args = (tokens,) if self.holds_first else ()
+        kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        losses: list[torch.Tensor] = []
+        with _forward_only(self.schedule):
+            self.schedule.eval(*args, target=targets if self.holds_last else None, losses=losses,
+                               return_outputs=False, **kwargs)
+        if self.holds_last:  # the loss function divided each by the count (training's accumulation)
+            per = torch.stack([t.detach().float() for t in losses]) * self.n_microbatches
+        else:
+            per = torch.zeros(self.n_microbatches, device=self.device)
+        dist.all_reduce(per, group=self.group)
+        cp = self.models[0].hooks.sequence
+        if cp is not None:
+            dist.all_reduce(per, group=cp.group)
+            per /= cp.size
+        return per
+
+
+@contextlib.contextmanager
+def _forward_only(schedule):
+    """A multi-stage schedule's actions less those of backward, for its eval(): torch's runtime schedules run every
+    action of their order in eval mode too (and a backward without autograd state fails). Every rank drops the same
+    kinds, so the forward sends and receives still pair up in order. Single-stage schedules (1f1b) skip backward in
+    eval themselves."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if order is None:
+        yield
+        return
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    kept = {C.FORWARD, C.SEND_F, C.RECV_F, C.UNSHARD, C.RESHARD}
+
+    def forward_actions(actions):
+        out = []
+        for a in actions:
+            if a.computation_type == C.OVERLAP_F_B:
+                out += [s for s in a.sub_actions or () if s.computation_type in kept]
+            elif a.computation_type in kept:
+                out.append(a)
+        return out
+
+    schedule.pipeline_order_with_comms = {r: forward_actions(acts) for r, acts in order.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
+
+
 def grad_norm(stage_models: list[nn.Module], pp_mesh: DeviceMesh, norm_type: float = 2.0) -> torch.Tensor:
     """The gradient norm of the whole model: this rank's stages' gradients (DTensors, under FSDP2 or tensor
     parallelism, reduced over their own mesh), combined over the pipeline group. The same value on every rank."""
@@ -305,14 +360,31 @@ class PipelineModel(nn.Module):
     def step(self, micro_batches: list[tuple]) -> torch.Tensor:
         """Forward and backward of the step's micro-batches ((tokens, targets[, doc_ids]) each, as the data plane
         gives them); returns the step's loss (the mean of the micro-batches' mean losses) on every stage."""
-        tokens = torch.cat([b[0] for b in micro_batches])
-        targets = torch.cat([b[1] for b in micro_batches])
-        docs = [b[2] if len(b) > 2 else None for b in micro_batches]
-        doc_ids = None
-        if any(d is not None for d in docs):
-            # A row without documents is one document: zeros, so that every micro-batch has the same inputs.
-            doc_ids = torch.cat([d if d is not None else torch.zeros_like(b[0]) for d, b in zip(docs, micro_batches)])
-        return self.pipeline.step(tokens, targets, doc_ids)
+        return self.pipeline.step(*_joined(micro_batches))
+
+    def evaluate(self, micro_batches: list[tuple]) -> torch.Tensor:
+        """Forward only (validation): each micro-batch's mean loss [len(micro_batches)], on every stage. The
+        timeline (the bubble of training steps) does not record it."""
+        timed = self.timeline is not None and self.timeline.enabled
+        if timed:
+            self.timeline.off()
+        try:
+            return self.pipeline.evaluate(*_joined(micro_batches))
+        finally:
+            if timed:
+                self.timeline.on()
 
     def grad_norm(self) -> torch.Tensor:
         return grad_norm(self.stages, self.pp_mesh)
+
+
+def _joined(micro_batches: list[tuple]) -> tuple:
+    """(tokens, targets, doc_ids or None) of micro-batches joined into one batch."""
+    tokens = torch.cat([b[0] for b in micro_batches])
+    targets = torch.cat([b[1] for b in micro_batches])
+    docs = [b[2] if len(b) > 2 else None for b in micro_batches]
+    doc_ids = None
+    if any(d is not None for d in docs):
+        # A row without documents is one document: zeros, so that every micro-batch has the same inputs.
+        doc_ids = torch.cat([d if d is not None else torch.zeros_like(b[0]) for d, b in zip(docs, micro_batches)])
+    return tokens, targets, doc_ids

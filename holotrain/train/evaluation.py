@@ -103,17 +103,20 @@ class Evaluator:
         self.rows, self.dims, self.rank, self.micro = rows, dims, rank, micro
         self.device, self.autocast = device, autocast
         self.samples = samples  # train/samples.py: prompts continued at each eval, or None
-        self.leader = rank % dims.batch_group == 0  # one rank of each tensor- and context-parallel group adds up
+        # One rank of each tensor- and context-parallel group adds up, on the first pipeline stage's ranks (every
+        # stage ends with the same losses).
+        self.leader = rank % dims.batch_group == 0 and rank < dims.world // dims.pp
 
     @property
     def empty(self) -> bool:
         return not self.rows
 
-    def _share(self, rows: EvalRows):
-        """This replica's rows in micro-batches, padded with target-less rows to the same count on every replica."""
+    def _share(self, rows: EvalRows, group: int = 1):
+        """This replica's rows in micro-batches, padded with target-less rows to the same count on every replica
+        (and to a multiple of `group` micro-batches)."""
         dp, d = self.dims.dp, self.dims.dp_index(self.rank)
         per = math.ceil(rows.inputs.shape[0] / dp)
-        per = math.ceil(per / self.micro) * self.micro
+        per = math.ceil(per / (self.micro * group)) * self.micro * group
         mine = [t[d::dp] for t in (rows.inputs, rows.targets, rows.doc_ids)]
         missing = per - mine[0].shape[0]
         if missing:
@@ -140,6 +143,8 @@ class Evaluator:
 
     def _score(self, model: torch.nn.Module) -> dict:
         totals = torch.zeros(len(self.rows), 2, dtype=torch.float64, device=self.device)  # (loss sum, targets)
+        if hasattr(model, "pipeline"):
+            return self._score_pipelined(model, totals)
         sequence = model.hooks.sequence
         for s, rows in enumerate(self.rows.values()):
             for inputs, targets, doc_ids in self._share(rows):
@@ -151,6 +156,23 @@ class Evaluator:
                 if self.leader:
                     totals[s, 0] += loss.double() * count
                     totals[s, 1] += count
+        return self._rows(totals)
+
+    def _score_pipelined(self, model: torch.nn.Module, totals: torch.Tensor) -> dict:
+        """Under pipeline parallelism: the schedule's micro-batch count at a time, forward only."""
+        n = model.pipeline.n_microbatches
+        for s, rows in enumerate(self.rows.values()):
+            batches = list(self._share(rows, group=n))
+            for i in range(0, len(batches), n):
+                group = batches[i:i + n]
+                losses = model.evaluate(group)
+                counts = torch.stack([(targets != -100).sum() for _, targets, _ in group]).to(losses.device)
+                if self.leader:
+                    totals[s, 0] += (losses.double() * counts).sum()
+                    totals[s, 1] += counts.sum()
+        return self._rows(totals)
+
+    def _rows(self, totals: torch.Tensor) -> dict:
         if self.dims.world > 1:
             dist.all_reduce(totals)
         totals = totals.cpu()
@@ -167,17 +189,13 @@ class Evaluator:
 
 
 def build(cfg, env, dims, micro: int, dtype: torch.dtype, run_dir: Path) -> Evaluator | None:
-    """The job's evaluator (None with eval.every = 0, under pipeline parallelism, or without a document to score)."""
+    """The job's evaluator (None with eval.every = 0, or without a document to score)."""
     from tokenizers import Tokenizer
 
     from holotrain.data.chat import template_for
     from holotrain.data.corpus import special_ids
 
     if not cfg.eval.every:
-        return None
-    if dims.pp > 1:
-        if env.is_main:
-            print("holotrain: eval: not run under parallel.pp > 1 yet (the pipeline schedule trains only)", flush=True)
         return None
     tokenizer_path = Path(run_dir) / "tokenizer.json"
     eos_id, pad_id = special_ids(Tokenizer.from_file(str(tokenizer_path)), tokenizer_path)

@@ -6,7 +6,7 @@ model never trained on). Each continuation of `eval.sample_tokens` tokens runs t
 of a fixed length (the prompt and its continuation, right-padded to a multiple of 16, which FP8's GEMMs need): causal
 attention makes the padding invisible to the positions read. The forwards run eagerly (torch.compile's stance), so
 no region compiles a graph for this shape, and without gradients. Under FSDP2 every rank runs the same forwards and
-draws the same tokens; under tensor or context parallelism (a sequence split over ranks) no samples are drawn.
+draws the same tokens; under tensor, context or pipeline parallelism no samples are drawn.
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ class Samples:
 
 
 def build(cfg, dims, rows: dict, tokenizer, device: torch.device, autocast: bool, is_main: bool) -> Samples | None:
-    """The job's samples (None with eval.sample_tokens = 0, or under tensor or context parallelism)."""
+    """The job's samples (None with eval.sample_tokens = 0, or under tensor, context or pipeline parallelism)."""
     if not cfg.eval.sample_tokens:
         return None
-    if dims.tp > 1 or dims.cp > 1:
+    if dims.tp > 1 or dims.cp > 1 or dims.pp > 1:
         if is_main:
-            print("holotrain: eval: no samples drawn under parallel.tp or parallel.cp > 1 (each rank holds part of "
-                  "a sequence)", flush=True)
+            print("holotrain: eval: no samples drawn under parallel.tp, cp or pp > 1 (each rank holds part of a "
+                  "sequence or of the model)", flush=True)
         return None
     if cfg.eval.prompts:
         prompts = [(text, tokenizer.encode(text).ids) for text in cfg.eval.prompts]
