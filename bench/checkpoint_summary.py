@@ -1,5 +1,5 @@
-"""Summarizes bench/gpu_checkpoint.sh's output folder: blocking per save, tokens/s with background saves against
-none, and recovery after SIGKILL. Usage: python bench/checkpoint_summary.py OUT_DIR"""
+"""Summarizes the output folder of bench/gpu/resilience.sh's part checkpoint: blocking per save, tokens/s with
+background saves against none, and recovery after SIGKILL. Usage: python bench/checkpoint_summary.py OUT_DIR"""
 
 import json
 import re

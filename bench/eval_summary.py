@@ -1,7 +1,7 @@
-"""Summarizes bench/gpu_eval.sh's cost part: the training rate over the whole run with evaluation's seconds counted
-(tokens / (training seconds + eval seconds) over every logged interval, compilation included on both sides) and over
-the steps after the first 20 (the steady rate), for the run with evaluation against the run without.
-Usage: python bench/eval_summary.py OUT_DIR"""
+"""Summarizes bench/gpu/models.sh's eval part (cost): the training rate over the whole run with evaluation's
+seconds counted (tokens / (training seconds + eval seconds) over every logged interval, compilation included on
+both sides) and over the steps after the first 20 (the steady rate), for the run with evaluation against the run
+without. Usage: python bench/eval_summary.py OUT_DIR"""
 
 import json
 import sys

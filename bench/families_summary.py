@@ -1,6 +1,6 @@
-"""Summarizes bench/gpu_families.sh's output folder: tokens/s and MFU per family (the median of the rows after step
-30), the Qwen3 shape's MFU against the 1.4b's, and the planner's first prediction against the planned run.
-Usage: python bench/families_summary.py OUT_DIR"""
+"""Summarizes the output folder of bench/gpu/models.sh's families part: tokens/s and MFU per family (the median
+of the rows after step 30), the Qwen3 shape's MFU against the 1.4b's, and the planner's first prediction against
+the planned run. Usage: python bench/families_summary.py OUT_DIR"""
 
 import json
 import statistics

@@ -59,7 +59,8 @@ def main() -> None:
           f"{len(ours) / s:,.1f} tokens/s")
     del gen
 
-    hf = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32).to(DEVICE).eval()
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=dtype).to(DEVICE).eval()
     prompt = torch.tensor([ids], device=DEVICE)
     kw = dict(max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False, pad_token_id=0)
 
@@ -70,7 +71,8 @@ def main() -> None:
     s_hf, theirs = timed(hf_run, a.repeat)
     same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
     print(f"transformers generate() (dynamic cache, eager): {len(theirs)} tokens in {s_hf:.3f} s: "
-          f"{len(theirs) / s_hf:,.1f} tokens/s; holotrain / transformers: {s_hf / s:.2f}x; the first {same} tokens agree")
+          f"{len(theirs) / s_hf:,.1f} tokens/s; holotrain / transformers: {s_hf / s:.2f}x; the first {same} tokens "
+          "agree")
     if a.static:
         hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
         t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""The memory plan and the time model against the long-context runs of bench/gpu_long_context.sh, whose metrics.jsonl
-files are kept in bench/data/long-context/. CPU only.
+"""The memory plan and the time model against the long-context runs of bench/gpu/memory.sh (part long_context),
+whose metrics.jsonl files are kept in bench/data/long-context/. CPU only.
 
   python bench/long_context_model.py
 
@@ -46,7 +46,7 @@ RUNS = [
 
 
 def overrides(preset: str, seq: int, batch: int) -> list[str]:
-    """The run's command line (bench/gpu_long_context.sh), less what the time model does not read."""
+    """The run's command line (bench/gpu/memory.sh (part long_context)), less what the time model does not read."""
     return [f"--model.preset={preset}", f"--data.seq_len={seq}", f"--training.batch_size={batch}"]
 
 

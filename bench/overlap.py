@@ -22,7 +22,7 @@ profiled step's top GPU kernels per mode.
 
   torchrun --standalone --nproc_per_node=2 bench/overlap.py --part kernels --out OUT/kernels.json
   torchrun --standalone --nproc_per_node=2 bench/overlap.py --part e2e --tiles BEST --out OUT/e2e.json
-Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (bench/gpu_tp.sh does).
+Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (bench/gpu/parallel.sh does).
 --spin-limit, --barrier-ms, --piece-mb: the fused path's parallel.tp_spin_limit, tp_barrier_ms, tp_piece_mb, for
 every part (the e2e runs pass them as config overrides).
 """

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -65,8 +66,9 @@ class PlainBlock(nn.Module):
 
 
 class PlainLlama(nn.Module):
-    def __init__(self, d, layers, h, ff, vocab, seq, theta=10000.0, eps=1e-5):
+    def __init__(self, d, layers, h, ff, vocab, seq, theta=10000.0, eps=1e-5, checkpoint_blocks=False):
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks  # per-block activation checkpointing, as a user adds it first
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(PlainBlock(d, h, ff, eps) for _ in range(layers))
         self.norm = nn.Parameter(torch.ones(d))
@@ -84,7 +86,10 @@ class PlainLlama(nn.Module):
     def forward(self, x, y):
         h = self.emb(x)
         for b in self.blocks:
-            h = b(h, self.cos, self.sin)
+            if self.checkpoint_blocks:
+                h = torch.utils.checkpoint.checkpoint(b, h, self.cos, self.sin, use_reentrant=False)
+            else:
+                h = b(h, self.cos, self.sin)
         logits = self.head(F.rms_norm(h, (h.shape[-1],), self.norm, self.eps))
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(0, 1))
 
@@ -123,8 +128,10 @@ def build_variant(name: str, a, device):
         model.config.use_cache = False
         opt = adamw(model)
         return peer_step(model, opt, lambda m, x, y: m(input_ids=x, labels=x).loss), (model, opt)
-    if name in ("eager", "compile", "compile-float8"):
-        model = PlainLlama(a.dim, a.n_layers, a.n_heads, a.ffn_dim, a.vocab_size, a.max_seq_len).to(device)
+    if name in ("eager", "compile", "compile-float8", "compile-ac"):
+        # compile-ac: the compiled loop with every block checkpointed (torch.utils.checkpoint), for long sequences
+        model = PlainLlama(a.dim, a.n_layers, a.n_heads, a.ffn_dim, a.vocab_size, a.max_seq_len,
+                           checkpoint_blocks=name == "compile-ac").to(device)
         if name == "compile-float8":  # what a user adds to the plain loop: torchao float8, the head left in bf16
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

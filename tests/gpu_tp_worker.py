@@ -1,4 +1,4 @@
-"""Run by tests/test_gpu_tp.py (and bench/gpu_tp.sh) under torchrun on 2 GPUs (NCCL): the fused Triton ops and torch
+"""Run by tests/test_gpu_tp.py (and bench/gpu/parallel.sh, part tp) under torchrun on 2 GPUs (NCCL): the fused Triton ops and torch
 async-TP against the unfused bf16 result (NCCL collective + cuBLAS), on fresh random inputs each run, into outputs
 poisoned with NaN.
 

@@ -146,3 +146,38 @@ def test_config_by_name_finds_a_shipped_config(tmp_path, monkeypatch):
     assert load_config("offload.toml").memory.offload is True
     with pytest.raises(ConfigError, match="shipped configs"):
         load_config("no-such-config")
+
+
+def test_results_current_figures_link_to_sections():
+    """bench/RESULTS.md's "Current figures" table: every `](#anchor)` in it names a heading of the file (GitHub's
+    anchors: the heading's text with links reduced to their text, lowercased, punctuation dropped, spaces to '-', a
+    repeated anchor suffixed -1, -2, ...), and every row ends with a link to a dated (##) section."""
+    text = (REPO / "bench" / "RESULTS.md").read_text()
+
+    def anchor(title: str) -> str:
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title).strip().lower()
+        return re.sub(r"[^\w\- ]", "", title).replace(" ", "-")
+
+    anchors, sections, seen, fenced = set(), set(), {}, False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        heading = None if fenced else re.match(r"(#{1,6}) (.+)", line)
+        if heading:
+            name = anchor(heading.group(2))
+            repeat = seen.get(name, 0)
+            seen[name] = repeat + 1
+            name = f"{name}-{repeat}" if repeat else name
+            anchors.add(name)
+            if heading.group(1) == "##" and name != "current-figures":
+                sections.add(name)
+    parts = text.split("\n## Current figures\n", 1)
+    assert len(parts) == 2, "bench/RESULTS.md has no '## Current figures' section"
+    table = [line for line in parts[1].split("\n## ", 1)[0].splitlines() if line.startswith("|")]
+    rows = [line for line in table[1:] if not re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", line)]
+    assert len(rows) >= 10
+    for row in rows:
+        broken = [a for a in re.findall(r"\]\(#([^)\s]+)\)", row) if a not in anchors]
+        assert not broken, f"links to no heading of bench/RESULTS.md: {broken} in {row[:80]}"
+        last = re.split(r"(?<!\\)\|", row.strip().strip("|"))[-1].strip()
+        section = re.fullmatch(r"\[[^\]]+\]\(#([^)\s]+)\)", last)
+        assert section and section.group(1) in sections, f"the row's last cell is not a link to a section: {row[:80]}"

@@ -70,6 +70,10 @@ class ParallelDims:
         """The data-parallel replica (which rows) of a global rank."""
         return (rank // self.batch_group) % self.dp
 
+    def pp_index(self, rank: int) -> int:
+        """The pipeline rank ("pp", the mesh's outermost dimension) of a global rank."""
+        return rank // (self.dp * self.batch_group)
+
     def build_mesh(self, device_type: str):
         """The job's DeviceMesh: dimensions ("pp", "dp", "cp", "tp"), of which a size-1 one other than "dp" is left
         out (("dp",) for plain data parallelism); None on one process."""

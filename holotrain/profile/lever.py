@@ -15,6 +15,8 @@ from holotrain.profile.metrics import MetricsLogger
 from holotrain.profile.phases import PhaseClock
 from holotrain.profile.stragglers import StragglerCheck
 from holotrain.profile.trace import StepTracer
+from holotrain.profile.wandb_sink import check_installed as check_wandb_installed
+from holotrain.profile.wandb_sink import open_sink as open_wandb
 
 if TYPE_CHECKING:
     from holotrain.profile.config import ProfileConfig
@@ -33,12 +35,16 @@ class Profiler:
         self._gc_thresholds: tuple[int, ...] | None = None  # the interpreter's, while the trainer collects itself
         self._straggler_check = StragglerCheck(section.straggler_margin, env)
         self._refreeze = False
+        if section.wandb:
+            check_wandb_installed()  # every rank, at startup: one line now rather than after the model is built
 
     def logger(self, total_steps: int, start_step: int) -> MetricsLogger | None:
-        """The metrics sinks (metrics.jsonl, TensorBoard, the terminal): the main rank's only."""
+        """The metrics sinks (metrics.jsonl, TensorBoard, Weights & Biases, the terminal): the main rank's only."""
         if not self.env.is_main:
             return None
-        return MetricsLogger(self.run_dir, total_steps, start_step, self.section.tensorboard, self.section.progress)
+        sinks = (open_wandb(self.section, self.run_dir),) if self.section.wandb else ()
+        return MetricsLogger(self.run_dir, total_steps, start_step, self.section.tensorboard, self.section.progress,
+                             sinks)
 
     def before(self, step: int) -> None:
         self.tracer.before(step)

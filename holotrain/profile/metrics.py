@@ -29,7 +29,9 @@ def _fmt(row: dict) -> str:
 class MetricsLogger:
     """Only rank 0 constructs one; other ranks log nothing."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool,
+                 sinks: tuple = ()):
+        self.sinks = sinks  # more sinks of the rows (wandb_sink.WandbSink): log(row), close()
         self.path = run_dir / "metrics.jsonl"
         truncate_jsonl(self.path, start_step)
         self.file = open(self.path, "a")
@@ -56,6 +58,10 @@ class MetricsLogger:
             for key, value in clean.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar(key.replace(".", "/"), value, row["step"])
+            for sample in clean.get("eval.samples") or ():  # TensorBoard's text tab, one entry per prompt
+                self.tb.add_text(f"eval/samples/{sample['prompt'][:40]}", sample["text"], row["step"])
+        for sink in self.sinks:
+            sink.log(clean)
         if self.progress is not None:
             self.progress.update(self.task, completed=row["step"], description=_fmt(row))
         else:
@@ -66,4 +72,8 @@ class MetricsLogger:
             self.progress.stop()
         if self.tb is not None:
             self.tb.close()
-        self.file.close()
+        try:
+            for sink in self.sinks:
+                sink.close()
+        finally:
+            self.file.close()

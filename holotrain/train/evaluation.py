@@ -105,7 +105,7 @@ class Evaluator:
         self.samples = samples  # train/samples.py: prompts continued at each eval, or None
         # One rank of each tensor- and context-parallel group adds up, on the first pipeline stage's ranks (every
         # stage ends with the same losses).
-        self.leader = rank % dims.batch_group == 0 and rank < dims.world // dims.pp
+        self.leader = rank % dims.batch_group == 0 and dims.pp_index(rank) == 0
 
     @property
     def empty(self) -> bool:

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Model families, validation and generation on one H200, through `holotrain train` on the shipped configs.
+# Usage (repo root, on the GPU machine): bash bench/gpu/models.sh OUT_DIR PART [ARGS...]
+# Parts, one line each (the comment above each part_ function below gives the details and the environment knobs):
+#   families [STEPS] [WHAT]   the Qwen3 shape's MFU beside the 1.4b's, the planner's first prediction, the FP8 peer
+#   eval [STEPS] [WHAT]       validation's cost against none, generation's speed against transformers
+# Each part writes its logs, metrics and summaries into OUT_DIR (made if missing).
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+# Model families. WHAT (default "mfu plan peer") picks among:
+#   mfu    the 1.4b (llama) and the Qwen3-1.7B shape (qwen3) with their defaults plus training.fp8=auto, STEPS (100)
+#          steps each: the median tokens/s and MFU of the logged rows after step 30
+#   plan   the planner's first prediction (plan.trials=0: before any trial) against the planned setting trained
+#          (`holotrain train --plan auto`); PLANS (default "1.4b qwen3 1.4b-8k") picks the jobs: the 1.4b, the Qwen3
+#          shape, the 1.4b at T=8192, B=4 under hw.gpu_memory_gb=40; "qwen3-only" plans the Qwen3 shape without
+#          training it (its prediction read against the mfu part's run, where the settings agree)
+#   peer   the fp8 peer (compile + torchao float8, bench/peers.py) beside holotrain's fp8 step, in one process
+# Summary: bench/families_summary.py OUT_DIR.
+part_families() {
+  local steps=${1:-100} what=${2:-mfu plan peer}
+  cache_env
+  local quiet=(--profile.progress=false --profile.tensorboard=false --checkpoint.save_final=false)
+  fam() {  # name, args...
+    local name=$1
+    shift
+    logged "$name" "$out/$name.log" 300 python3 -m holotrain.cli train "$@" --training.steps="$steps" \
+      --job.run_dir=/tmp/fam-$name "${quiet[@]}"
+    grep -E "^holotrain: .*(fp8|checkpointing|goodput)" "$out/$name.log" | head -4
+    cp /tmp/fam-$name/plan.json "$out/$name-plan.json" 2>/dev/null
+    keep_metrics /tmp/fam-$name "$name"
+  }
+  for w in $what; do case $w in
+    mfu) fam llama-1.4b --config 1.4b --training.fp8=auto
+         fam qwen3-1.7b --config qwen3-1.7b --training.fp8=auto ;;
+    plan) for job in ${PLANS:-1.4b qwen3 1.4b-8k}; do case $job in
+            1.4b) fam plan-1.4b --config 1.4b --plan auto --plan.trials=0 ;;
+            qwen3) fam plan-qwen3 --config qwen3-1.7b --plan auto --plan.trials=0 ;;
+            qwen3-only)
+              logged "plan qwen3-only" "$out/plan-qwen3-only.log" 200 python3 -m holotrain.cli plan \
+                --config qwen3-1.7b --plan.trials=0 --out "$out/plan-qwen3-only"
+              tail -4 "$out/plan-qwen3-only.log" ;;
+            1.4b-8k) fam plan-1.4b-8k --config 1.4b --data.seq_len=8192 --training.batch_size=4 \
+                       --hw.gpu_memory_gb=40 --plan auto --plan.trials=0 ;;
+          esac; done ;;
+    peer) logged peers "$out/peers-fp8.log" 400 python3 bench/peers.py --variants compile-float8,holotrain-fp8
+          tail -6 "$out/peers-fp8.log" ;;
+  esac; done
+  python3 bench/families_summary.py "$out"
+}
+
+# Validation and generation. WHAT (default "cost gen") picks among:
+#   cost  the 1.4b with training.fp8=auto, STEPS (300) steps, an eval of 10 batches (of the embedded corpus's two
+#         sources, from a 5% hold-out) every 100 steps, against eval.every=0, one after the other
+#   gen   the eval run's final checkpoint exported (`holotrain export`), then bench/generate_speed.py: 256 new tokens
+#         at batch 1, holotrain generate against transformers' generate() on the export (STATIC=1: also
+#         transformers' static cache under torch.compile)
+# Summary: bench/eval_summary.py OUT_DIR (the cost part).
+part_eval() {
+  local steps=${1:-300} what=${2:-cost gen}
+  cache_env
+  local train=(python3 -m holotrain.cli train --config 1.4b --training.fp8=auto --training.steps="$steps"
+               --checkpoint.every=0 --profile.progress=false --profile.tensorboard=false --eval.holdout=0.05)
+  for w in $what; do case $w in
+    cost) for run in eval noeval; do
+            local extra=(--eval.every=100 --eval.batches=10 --checkpoint.save_final=true)
+            [ $run = noeval ] && extra=(--eval.every=0 --checkpoint.save_final=false)
+            logged $run "$out/$run.log" 280 "${train[@]}" "${extra[@]}" --job.run_dir=/tmp/eval-$run
+            grep -E "^holotrain: (eval|goodput)" "$out/$run.log"
+            cp /tmp/eval-$run/metrics.jsonl "$out/$run.jsonl"
+          done
+          python3 bench/eval_summary.py "$out" ;;
+    gen) logged export "$out/export.log" 120 python3 -m holotrain.cli export /tmp/eval-eval /tmp/eval-hf
+         timeout 300 python3 bench/generate_speed.py /tmp/eval-eval /tmp/eval-hf ${STATIC:+--static} 2>&1 \
+           | grep -v -i warn | tee "$out/generate.log" ;;
+  esac; done
+}
+
+dispatch "$@"
