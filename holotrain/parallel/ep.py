@@ -1,0 +1,76 @@
+"""Expert parallelism's token exchange: each rank of an expert-parallel group holds E / ep of a mixture-of-experts
+layer's experts (a contiguous range); the tokens routed to an expert travel to its rank and back by all-to-all with
+uneven splits.
+
+`dispatch` takes this rank's token copies sorted by expert (what the layer's permutation produces) and the count per
+expert, and returns the copies this rank's experts must process, sorted by local expert, with their counts; `combine`
+sends the experts' outputs back in the order dispatch received them from, so that the layer's un-permutation applies
+unchanged. Both are differentiable: the backward of an all-to-all is the all-to-all with the splits swapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows of `x` (in_splits[r] of them for rank r, in rank order) to their ranks; returns the rows received
+    (out_splits[r] from rank r)."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+@dataclass
+class Dispatched:
+    """What combine needs to send the outputs back: the splits of both exchanges, and the order that sorted the
+    received rows by local expert."""
+
+    sent: list[int]  # rows sent to each rank
+    received: list[int]  # rows received from each rank
+    order: torch.Tensor  # received rows -> local-expert order
+
+
+def dispatch(x: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
+    """x: [N, D] this rank's token copies sorted by (global) expert; counts: [E] copies per expert, E divisible by
+    the group's size. Returns the rows for this rank's experts sorted by local expert [M, D], the count per local
+    expert [E / ep], and what combine needs."""
+    ep = dist.get_world_size(group)
+    local = counts.numel() // ep
+    # Each rank's count per expert it owns, from every rank: [ep (source), E / ep]
+    incoming = torch.empty_like(counts)
+    dist.all_to_all_single(incoming, counts.contiguous(), group=group)
+    incoming = incoming.view(ep, local)
+    sent = counts.view(ep, local).sum(1).tolist()
+    received = incoming.sum(1).tolist()
+    rows = all_to_all(x, received, sent, group)
+    # The received rows come by source rank, each source's sorted by expert; sort them by local expert (stable, so
+    # that each expert's rows keep the source order).
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), incoming.flatten())
+    order = torch.argsort(expert_of_row, stable=True)
+    return rows[order], incoming.sum(0), Dispatched(sent, received, order)
+
+
+def combine(y: torch.Tensor, how: Dispatched, group) -> torch.Tensor:
+    """The experts' outputs [M, D] (in dispatch's local-expert order) back to the ranks their tokens came from, in
+    the order they were sent ([N, D], sorted by global expert as dispatch's input was)."""
+    inverse = torch.empty_like(how.order)
+    inverse[how.order] = torch.arange(how.order.numel(), device=how.order.device)
+    return all_to_all(y[inverse], how.sent, how.received, group)
