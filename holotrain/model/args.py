@@ -35,10 +35,42 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int = 0
+    # Mixture of experts (model/moe.py), in place of the SwiGLU feed-forward of the blocks moe_layer() names:
+    # n_experts routed experts (0: every block dense), n_active_experts of them per token (top-k), each a SwiGLU of
+    # moe_ffn_dim; a shared SwiGLU of shared_ffn_dim added to every token's routed output (0: none). router:
+    # "softmax" (probabilities over all experts, their top k; norm_topk_prob renormalizes the k weights to sum to 1)
+    # or "sigmoid" (DeepSeek-V3: independent scores, the top k chosen by score + a per-expert bias that balances the
+    # load without a loss, weighted by the scores). Blocks (i + 1) % moe_every == 0 and not in dense_layers are MoE
+    # (Hugging Face's decoder_sparse_step and mlp_only_layers); the others keep the dense ffn_dim.
+    # moe_aux_loss_coef: the load-balancing loss (E * sum_e f_e * P_e per MoE block) and router_z_loss_coef: the
+    # router z-loss (mean squared logsumexp of the logits), summed over the blocks, in the training loss's gradient.
+    n_experts: int = 0
+    n_active_experts: int = 0
+    moe_ffn_dim: int = 0
+    shared_ffn_dim: int = 0
+    router: str = "softmax"
+    norm_topk_prob: bool = False
+    moe_every: int = 1
+    dense_layers: tuple = ()
+    moe_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self):
         if not self.head_dim and self.n_heads:
             self.head_dim = self.dim // self.n_heads
+        # A config section (or a run saved before these keys) gives 0 / "" / a list.
+        self.router = self.router or "softmax"
+        self.moe_every = self.moe_every or 1
+        self.dense_layers = tuple(self.dense_layers or ())
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has the mixture-of-experts feed-forward."""
+        return bool(self.n_experts) and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks are mixture-of-experts."""
+        return sum(self.moe_layer(i) for i in range(self.n_layers))
 
     @property
     def q_dim(self) -> int:
@@ -78,7 +110,11 @@ class Family:
     build: Callable[[ModelArgs], object] = None
     # ModelArgs -> what is wrong with them for this family beyond its switches (one line), or None.
     check: Callable[[ModelArgs], str | None] = lambda args: None
+    # A mixture-of-experts family's Hugging Face names in a block (model/hf.py): the feed-forward's module ("mlp",
+    # Mixtral's "block_sparse_moe") and each expert's gate, up and down linears, as transformers saves them
+    # (per expert: <block>.experts.<e>.<gate>.weight).
+    hf_experts: tuple[str, tuple[str, str, str]] | None = None
 
 
 # The decoder's switches a family decides (the rest of ModelArgs is shape).
-SWITCHES = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sliding_window")
+SWITCHES = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sliding_window", "n_experts", "shared_ffn_dim")

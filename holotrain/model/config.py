@@ -9,7 +9,8 @@ from holotrain.section import Section, need
 
 @dataclass
 class ModelConfig(Section):
-    # The model family (model/registry.py): llama | qwen2 | qwen3 | mistral. Empty: model.init_from's, else llama.
+    # The model family (model/registry.py): llama | qwen2 | qwen3 | mistral | qwen3_moe | mixtral. Empty:
+    # model.init_from's, else llama.
     family: str = ""
     preset: str = "tiny"  # one of the family's shapes (holotrain train --help model lists them)
     # 0 / 0.0 means "take the preset's value"; the resolved config holds the real numbers.
@@ -33,10 +34,31 @@ class ModelConfig(Section):
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int = 0
+    # Mixture of experts (qwen3_moe, mixtral; model/moe.py): n_experts routed experts per MoE block (0 = dense),
+    # n_active_experts of them per token, each a SwiGLU of moe_ffn_dim; a shared SwiGLU of shared_ffn_dim (0 = none);
+    # router "softmax" | "sigmoid" (biased choice, DeepSeek-V3); norm_topk_prob renormalizes the k weights; blocks
+    # (i + 1) % moe_every == 0 not in dense_layers are MoE (0 / [] = the preset's); the load-balancing and router
+    # z-loss coefficients (0 = none) add those losses to the training gradient.
+    n_experts: int = 0
+    n_active_experts: int = 0
+    moe_ffn_dim: int = 0
+    shared_ffn_dim: int = 0
+    router: str = ""
+    norm_topk_prob: bool = False
+    moe_every: int = 0
+    dense_layers: list = field(default_factory=list)
+    moe_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
     # A Hugging Face model directory or a holotrain run / checkpoint: the dimensions, weights and tokenizer come
     # from it (model/pretrained.py); a new run starts from its weights with a fresh optimizer. A relative path in a
     # TOML file is relative to the file's folder (as every input path there), on the command line to the current one.
     init_from: str = ""
+
+    def __setattr__(self, name: str, value) -> None:
+        # ModelArgs holds block indices as a tuple (hashable); the config as TOML reads them back, a list.
+        if name == "dense_layers" and isinstance(value, tuple):
+            value = list(value)
+        super().__setattr__(name, value)
 
     def check(self) -> None:
         """The dimensions once filled in from the preset (config.resolve)."""

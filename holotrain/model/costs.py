@@ -15,36 +15,92 @@ from holotrain.model.parts import doc_positions
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Training (forward + backward) FLOPs per token.
 
-    Matrix multiplies only, counted exactly from the shapes: 6 FLOPs per weight of every linear layer
-    (the output head included, the embedding lookup not), plus attention's two T x T products,
+    Matrix multiplies only, counted exactly from the shapes: 6 FLOPs per weight of every linear layer a token goes
+    through (the output head included, the embedding lookup not; of a mixture of experts the router, the token's
+    n_active_experts experts and the shared experts: its active weights), plus attention's two T x T products,
     12 * n_layers * q_dim * seq_len (q_dim = n_heads * head_dim, the model's width in most families), counted over
     the full square as PaLM and torchtitan do (the causal kernels skip about half of it, so MFU by this convention
     matches theirs). A sliding window is not counted off: MFU stays comparable across families.
     """
-    linear = args.n_layers * block_linear_params(args) + args.dim * args.vocab_size
+    linear = sum(_linear_params(args, i, active=True) for i in range(args.n_layers)) + args.dim * args.vocab_size
     return 6 * linear + 12 * args.n_layers * args.q_dim * seq_len
 
 
+def _attention_linear_params(args: ModelArgs) -> int:
+    return args.dim * (2 * args.q_dim + 2 * args.kv_dim)
+
+
+def _ffn_linear_params(args: ModelArgs, layer: int, active: bool) -> int:
+    """Weights of block `layer`'s feed-forward: the SwiGLU's three, or a mixture of experts' router, experts (all, or
+    the n_active_experts a token goes through) and shared experts."""
+    if not args.moe_layer(layer):
+        return 3 * args.dim * args.ffn_dim
+    experts = args.n_active_experts if active else args.n_experts
+    return args.dim * args.n_experts + 3 * args.dim * (experts * args.moe_ffn_dim + args.shared_ffn_dim)
+
+
+def _linear_params(args: ModelArgs, layer: int, active: bool) -> int:
+    return _attention_linear_params(args) + _ffn_linear_params(args, layer, active)
+
+
+def _mean_over_blocks(args: ModelArgs, per_block) -> int:
+    """A per-block figure: the blocks' own when all are alike, else their mean (rounded up), so that n_layers times
+    it counts them all (a mixture of experts with dense blocks between)."""
+    values = [per_block(i) for i in range(args.n_layers)] or [per_block(0)]
+    return -(-sum(values) // len(values))
+
+
 def block_linear_params(args: ModelArgs) -> int:
-    """Weights of one block's linear layers (biases and norms aside): q, k, v, o and the SwiGLU's three."""
-    return args.dim * (2 * args.q_dim + 2 * args.kv_dim) + 3 * args.dim * args.ffn_dim
+    """Weights of one block's linear layers (biases and norms aside): q, k, v, o and the SwiGLU's three; of a
+    mixture of experts every expert's (block_active_params: those a token uses)."""
+    return _mean_over_blocks(args, lambda i: _linear_params(args, i, active=False))
+
+
+def _block_params(args: ModelArgs, layer: int, active: bool) -> int:
+    bias = (args.q_dim + 2 * args.kv_dim) * args.qkv_bias + args.dim * args.out_bias
+    if not args.moe_layer(layer):
+        bias += (2 * args.ffn_dim + args.dim) * args.mlp_bias
+    norms = 2 * args.dim + 2 * args.head_dim * args.qk_norm
+    return _linear_params(args, layer, active) + bias + norms
 
 
 def block_params(args: ModelArgs) -> int:
-    """Every parameter of one block: its linears, their biases, its norms."""
-    bias = (args.q_dim + 2 * args.kv_dim) * args.qkv_bias + args.dim * args.out_bias
-    bias += (2 * args.ffn_dim + args.dim) * args.mlp_bias
-    norms = 2 * args.dim + 2 * args.head_dim * args.qk_norm
-    return block_linear_params(args) + bias + norms
+    """Every parameter of one block: its linears (a mixture of experts: all its experts), their biases, its norms
+    (the blocks' mean where dense and mixture-of-experts blocks alternate)."""
+    return _mean_over_blocks(args, lambda i: _block_params(args, i, active=False))
+
+
+def block_active_params(args: ModelArgs) -> int:
+    """The parameters of one block a token goes through (block_params less the experts it is not routed to): a
+    mixture of experts' compute per token, as a dense block's is all of its parameters."""
+    return _mean_over_blocks(args, lambda i: _block_params(args, i, active=True))
+
+
+def model_params(args: ModelArgs, active: bool = False) -> int:
+    """The model's parameters (active: those one token goes through, the embedding row aside as a lookup counted
+    whole, as model cards count "activated parameters")."""
+    blocks = sum(_block_params(args, i, active) for i in range(args.n_layers))
+    head = 0 if args.tie_embeddings else args.dim * args.vocab_size
+    return blocks + args.dim * args.vocab_size + head + args.dim
 
 
 def block_saved_values(args: ModelArgs) -> int:
     """Values per token one block keeps for backward (no recomputation), the memory plan's unit: the two norms'
     inputs and the residual (3 x dim), q, k, v and the attention's output (2 q_dim + 2 kv_dim, plus q and k once more
     when they are normalized per head), the gate and up projections (2 x ffn_dim). A Llama of equal kv and query
-    heads keeps 7 dim + 2 ffn_dim."""
+    heads keeps 7 dim + 2 ffn_dim. A mixture of experts keeps instead the router's probabilities (n_experts), the
+    token's k sorted copies (k x dim), their gate and up (2 k x moe_ffn_dim) and outputs (k x dim, for the routing
+    weights' gradient), and the shared experts' gate and up (2 x shared_ffn_dim)."""
     attention = 2 * args.q_dim + 2 * args.kv_dim + (args.q_dim + args.kv_dim) * args.qk_norm
-    return 3 * args.dim + attention + 2 * args.ffn_dim
+
+    def saved(layer: int) -> int:
+        if not args.moe_layer(layer):
+            return 3 * args.dim + attention + 2 * args.ffn_dim
+        k = args.n_active_experts
+        moe = args.n_experts + 2 * k * args.dim + 2 * k * args.moe_ffn_dim + 2 * args.shared_ffn_dim
+        return 3 * args.dim + attention + moe
+
+    return _mean_over_blocks(args, saved)
 
 
 def attention_pairs(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | int:

@@ -16,14 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from holotrain.errors import ConfigError
 from holotrain.model.args import ModelArgs
 from holotrain.model.head import fused_linear_cross_entropy, piece as head_piece
+from holotrain.model.moe import MoE
 from holotrain.model.parts import Attention, Block, FeedForward, RMSNorm, attention_mask, doc_positions
 from holotrain.model.rope import rope_tables
 
 
-# Linears that write into the residual stream: initialized with std / sqrt(2 * n_layers).
-RESIDUAL_OUTPUTS = ("wo.weight", "w2.weight")
+# Linears that write into the residual stream: initialized with std / sqrt(2 * n_layers) (".w2": the experts'
+# stacked down projections).
+RESIDUAL_OUTPUTS = ("wo.weight", "w2.weight", ".w2")
 
 
 class Hooks:
@@ -69,14 +72,15 @@ class Hooks:
 
 
 class Decoder(nn.Module):
-    def __init__(self, args: ModelArgs, block: Callable[[ModelArgs], nn.Module]):
-        """block(args): one of the family's blocks (model/parts.py Block with its attention and feed-forward)."""
+    def __init__(self, args: ModelArgs, block: Callable[[ModelArgs, int], nn.Module]):
+        """block(args, index): the family's block at that depth (model/parts.py Block with its attention and
+        feed-forward)."""
         super().__init__()
         self.args = args
         self.hooks = Hooks()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by index keeps names stable when blocks are wrapped or pipelined.
-        self.layers = nn.ModuleDict({str(i): block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -101,11 +105,14 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def init_rope(self) -> None:
-        """The rotary tables (buffers not kept in checkpoints), once the model is placed."""
+        """The rotary tables (buffers not kept in checkpoints), once the model is placed; and the buffers that start
+        at a fixed value (a sigmoid router's expert bias: zero until a checkpoint's replaces it)."""
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device,
                                self.args.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for moe in self.moe_modules().values():
+            moe.reset_buffers()
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -155,6 +162,9 @@ class Decoder(nn.Module):
         (tensor parallelism's plan): ("embedding",), ("head",), ("norm",) for an RMSNorm (the per-head q/k norms
         too), ("input_group", method, linears) for linears that read one input, returned together by `method`, and
         ("row",) for the linear that writes back into the residual stream."""
+        if self.moe_modules():
+            raise ConfigError(f"model.n_experts = {self.args.n_experts}: tensor parallelism does not split a "
+                              "mixture-of-experts feed-forward yet; set parallel.tp = 1")
         roles = {name: role for name, role in (("tok_embeddings", ("embedding",)), ("norm", ("norm",)),
                                                ("output", ("head",))) if getattr(self, name) is not None}
         block = next(iter(self.layers.values()), None)
@@ -178,8 +188,26 @@ class Decoder(nn.Module):
         if last_unit <= self.args.n_layers:
             self.norm = None
             self.output = None
+            if self.moe_modules() and (self.args.moe_aux_loss_coef or self.args.router_z_loss_coef):
+                raise ConfigError("model.moe_aux_loss_coef / model.router_z_loss_coef > 0 reach the loss from the "
+                                  "last pipeline stage's blocks only: set them to 0 or parallel.pp = 1")
         self.pipeline_stage = True
         return self
+
+    def moe_modules(self) -> dict[str, MoE]:
+        """The mixture-of-experts feed-forwards this model holds, by block index (wrappers seen through)."""
+        return {key: m for key, block in self.layers.items() for m in block.modules() if isinstance(m, MoE)}
+
+    def expert_load(self) -> torch.Tensor | None:
+        """Token copies per expert of each MoE block in the last forward [MoE blocks, n_experts] (detached), or
+        None before one (or in a dense model)."""
+        loads = [m.last_load for m in self.moe_modules().values()]
+        return torch.stack(loads) if loads and all(t is not None for t in loads) else None
+
+    def update_router_bias(self, rate: float) -> None:
+        """A sigmoid router's balancing step on every MoE block, from its last forward's load (MoE.update_bias)."""
+        for m in self.moe_modules().values():
+            m.update_bias(rate)
 
     def compile_regions(self) -> None:
         """Regional compilation: each block (identical code, compiled once) and the loss head (the whole loss, or the
@@ -266,13 +294,29 @@ class Decoder(nn.Module):
         The result is the same mean. Tensor parallelism installs its own (the loss hook).
         """
         if self.hooks.loss is not None:
-            return self.hooks.loss(h, targets)
+            return self._with_aux(self.hooks.loss(h, targets))
         h, targets = h.flatten(0, 1), targets.flatten(0, 1)
         n = self.hooks.loss_chunk_tokens
         if n <= 0 or h.shape[0] <= n:
-            return self._whole_loss(h, targets)
+            return self._with_aux(self._whole_loss(h, targets))
         total, count = fused_linear_cross_entropy(self.norm(h), self.output.weight, targets, n, self._loss_piece)
-        return total / count.clamp(min=1)
+        return self._with_aux(total / count.clamp(min=1))
+
+    def _with_aux(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss with the MoE blocks' auxiliary terms of this forward (moe_aux_loss_coef, router_z_loss_coef > 0)
+        in its gradient, not in its value: loss + (aux - aux.detach()). The value stays the cross-entropy (an eval,
+        which runs this same forward, and the logged loss compare with a dense model's); backward differentiates
+        cross-entropy + aux, scaled as the loss is (gradient accumulation, context parallelism's weight). Each
+        block's term is consumed (cleared) here; its value is in MoE.last_aux."""
+        terms = []
+        for moe in self.moe_modules().values():
+            if moe.aux_loss is not None:
+                terms.append(moe.aux_loss)
+                moe.aux_loss = None
+        if not terms:
+            return loss
+        aux = torch.stack(terms).sum().to(loss.dtype)
+        return loss + (aux - aux.detach())
 
     def _loss_sum_mean(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         total, count = self.loss_sum(h, targets)
@@ -287,13 +331,14 @@ class Decoder(nn.Module):
         return total, (targets != -100).sum()
 
 
-def dense_block(args: ModelArgs) -> Block:
-    """The block of the dense families: attention (with whatever q/k norm, biases and window `args` switch on) and the
-    SwiGLU feed-forward."""
-    return Block(args, Attention(args), FeedForward(args))
+def dense_block(args: ModelArgs, layer: int = 0) -> Block:
+    """The block every family has so far: attention (with whatever q/k norm, biases and window `args` switch on) and
+    the SwiGLU feed-forward, or the mixture of experts where `args` puts one at this depth (args.moe_layer)."""
+    return Block(args, Attention(args), MoE(args) if args.moe_layer(layer) else FeedForward(args))
 
 
 def build_dense(args: ModelArgs) -> Decoder:
+    """The decoder of dense_block: the dense families', and the mixture-of-experts families' (args.n_experts > 0)."""
     return Decoder(args, dense_block)
 
 

@@ -1,10 +1,20 @@
 """Name and config mapping between holotrain's decoder and Hugging Face's models of the registered families
-(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM): parameter names, and config.json both
-ways: the keys every family shares here, each family's own in its module (model/families)."""
+(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM):
+parameter names, and config.json both ways: the keys every family shares here, each family's own in its module
+(model/families).
+
+A mixture-of-experts block's stacked expert weights (model/moe.py: w1, w3 [E, F, D], w2 [E, D, F]) are several
+tensors in a checkpoint, each a `Piece` of one of ours. Read: per expert, as transformers saves them and the Hub's
+checkpoints hold them (`<block>.experts.<e>.{gate_proj,up_proj,down_proj}.weight`, Mixtral's
+`block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`, <block> mlp or block_sparse_moe), or fused as transformers 5 holds
+them in memory (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]); the router is
+`<block>.gate.weight`. Written: the family's per-expert layout (to_hf_state_dict with the family), else the fused
+one, which transformers 5 loads for either family."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +45,58 @@ _TOP_NAMES = {
 YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 _FROM_HF_LAYER = {hf: ours for ours, hf in _LAYER_NAMES.items()}
 _FROM_HF_TOP = {hf: ours for ours, hf in _TOP_NAMES.items()}
+# A mixture-of-experts feed-forward's tensors of one to one names (ours after "feed_forward.", theirs after the
+# block's module), the shared experts as DeepSeek names them.
+_MOE_NAMES = {"router.weight": "gate.weight", "expert_bias": "gate.e_score_correction_bias",
+              "shared.w1.weight": "shared_experts.gate_proj.weight", "shared.w3.weight": "shared_experts.up_proj.weight",
+              "shared.w2.weight": "shared_experts.down_proj.weight"}
+_FROM_HF_MOE = {hf: ours for ours, hf in _MOE_NAMES.items()}
+# Each expert's linears (either spelling) -> our stacked parameter.
+_EXPERT_LINEARS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
+FUSED = ("mlp", ("gate_up_proj", "down_proj"))  # transformers 5's in-memory layout of the experts
+_HF_MOE = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)")
+_OUR_MOE = re.compile(r"layers\.(\d+)\.feed_forward\.(router\.weight|expert_bias|shared\.w[123]\.weight|w[123])")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one of our tensors (`ours`), or part of it, lies in a checkpoint: the tensor `hf` is all of it, or (expert
+    set) its [expert] slice, or (half set) rows [half * F, (half + 1) * F) of its dimension 1 (a fused gate_up tensor
+    holding w1's F rows then w3's)."""
+
+    ours: str
+    hf: str
+    expert: int | None = None
+    half: int | None = None
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint tensor's shape for our tensor of `shape`."""
+        if self.expert is not None:
+            return tuple(shape[1:])
+        if self.half is not None:
+            return (shape[0], 2 * shape[1], *shape[2:])
+        return tuple(shape)
+
+
+def hf_pieces(name: str) -> list[Piece]:
+    """What the checkpoint tensor `name` holds of ours (a KeyError if nothing)."""
+    try:
+        return [Piece(from_hf_name(name), name)]
+    except KeyError:
+        pass
+    m = _HF_MOE.fullmatch(name)
+    if m:
+        prefix, rest = f"layers.{m.group(1)}.feed_forward.", m.group(2)
+        if rest in _FROM_HF_MOE:
+            return [Piece(prefix + _FROM_HF_MOE[rest], name)]
+        e = re.fullmatch(r"experts\.(\d+)\.(\w+)\.weight", rest)
+        if e and e.group(2) in _EXPERT_LINEARS:
+            return [Piece(prefix + _EXPERT_LINEARS[e.group(2)], name, expert=int(e.group(1)))]
+        if rest == "experts.gate_up_proj":
+            return [Piece(prefix + "w1", name, half=0), Piece(prefix + "w3", name, half=1)]
+        if rest == "experts.down_proj":
+            return [Piece(prefix + "w2", name)]
+    raise KeyError(f"unexpected Hugging Face parameter {name!r}")
 
 def _rename(name: str, top: dict, layer: dict, source: str, target: str) -> str | None:
     """A parameter name in the other convention: top-level names by `top`, block names by `layer` (the block's
@@ -61,14 +123,48 @@ def from_hf_name(name: str) -> str:
     return ours
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool = False) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool = False,
+                     family: str | None = None) -> dict[str, torch.Tensor]:
     """Our state dict under Hugging Face's names; a tied head is stored once, as the embedding (as transformers
-    saves it)."""
-    return {to_hf_name(k): v for k, v in state.items() if not (tie_embeddings and k == "output.weight")}
+    saves it). Mixture-of-experts weights: per expert as `family` names them (transformers' save_pretrained
+    layout), or without a family transformers 5's fused tensors (loaded by its Qwen3-MoE and Mixtral alike). The
+    per-expert tensors are copies (safetensors stores no shared memory)."""
+    block, linears = (family_of(family).hf_experts or FUSED) if family else FUSED
+    out = {}
+    for k, v in state.items():
+        if tie_embeddings and k == "output.weight":
+            continue
+        m = _OUR_MOE.fullmatch(k)
+        if m is None:
+            out[to_hf_name(k)] = v
+            continue
+        prefix, ours = f"model.layers.{m.group(1)}.{block}.", m.group(2)
+        if ours in _MOE_NAMES:
+            out[prefix + _MOE_NAMES[ours]] = v
+        elif (block, linears) != FUSED:
+            name = linears[("w1", "w3", "w2").index(ours)]
+            out.update({f"{prefix}experts.{e}.{name}.weight": v[e].clone() for e in range(v.shape[0])})
+        elif ours == "w1":
+            out[prefix + "experts.gate_up_proj"] = torch.cat([v, state[k[:-2] + "w3"]], dim=1)
+        elif ours == "w2":
+            out[prefix + "experts.down_proj"] = v
+    return out
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {from_hf_name(k): v for k, v in state.items()}
+    """A Hugging Face state dict under our names, per-expert or fused expert tensors stacked or split into ours."""
+    out, experts = {}, {}
+    for k, v in state.items():
+        for piece in hf_pieces(k):
+            if piece.expert is not None:
+                experts.setdefault(piece.ours, {})[piece.expert] = v
+            elif piece.half is not None:
+                out[piece.ours] = v.chunk(2, dim=1)[piece.half]
+            else:
+                out[piece.ours] = v
+    for name, parts in experts.items():
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -107,6 +203,9 @@ def model_fields_from_hf(config: dict, where: str) -> dict:
         "norm_eps": float(need("rms_norm_eps", (int, float), 1e-6)),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "qkv_bias": False, "out_bias": False, "mlp_bias": False, "qk_norm": False, "sliding_window": 0,
+        # Dense unless the family's from_hf says otherwise (the loss coefficients are the run's, not the model's).
+        "n_experts": 0, "n_active_experts": 0, "moe_ffn_dim": 0, "shared_ffn_dim": 0, "router": "softmax",
+        "norm_topk_prob": False, "moe_every": 1, "dense_layers": (),
     }
     fields.update(family.from_hf(config, where))
     fields.update(family.fixed)

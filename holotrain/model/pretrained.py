@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from holotrain.errors import ConfigError
-from holotrain.model.args import FIELDS
-from holotrain.model.hf import from_hf_name, model_fields_from_hf, to_hf_name
+from holotrain.model.args import FIELDS, ModelArgs
+from holotrain.model.hf import Piece, hf_pieces, model_fields_from_hf, to_hf_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -44,7 +44,9 @@ class Pretrained:
     directory: Path
     fields: dict  # ModelArgs fields
     tokenizer: Path  # tokenizer.json
-    weight_files: dict[str, Path] = field(default_factory=dict)  # hf: our parameter name -> safetensors file
+    # hf: our parameter name -> the checkpoint tensors that hold it, each with its file (one, or a mixture of
+    # experts' stacked weights expert by expert: model/hf.py's Piece).
+    weight_files: dict[str, list[tuple[Piece, Path]]] = field(default_factory=dict)
     checkpoint: Path | None = None  # run: the checkpoint directory (None: the run's newest intact one)
 
 
@@ -72,17 +74,39 @@ def _describe_hf(directory: Path) -> Pretrained:
     config_path = directory / CONFIG
     fields = model_fields_from_hf(_read_json(config_path), str(config_path))
     names = _weight_map(directory)
-    wanted = set(expected_names(fields))
-    missing = sorted(wanted - set(names), key=_natural)
+    wanted, experts = expected_names(fields), fields.get("n_experts", 0)
+    files = {ours: _whole(names.get(ours, []), experts) for ours in wanted}
+    missing = sorted((ours for ours, pieces in files.items() if not pieces), key=_natural)
     if missing:
-        raise ConfigError(f"{directory}: the weights lack {missing[0]}"
+        raise ConfigError(f"{directory}: the weights lack {_hf_label(missing[0], names.get(missing[0]), experts)}"
                           f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} (for {CONFIG}'s shape)")
-    files = {ours: names[ours] for ours in wanted}
     return Pretrained("hf", directory, fields, directory / "tokenizer.json", weight_files=files)
 
 
-def _weight_map(directory: Path) -> dict[str, Path]:
-    """Our parameter name -> the safetensors file that holds it (a tied head's lm_head, if stored, is left out)."""
+def _whole(pieces: list[tuple[Piece, Path]], n_experts: int) -> list[tuple[Piece, Path]]:
+    """The pieces that make the whole tensor: one that holds all of it (or its half of a fused tensor), else one
+    per expert for every expert; [] if they do not."""
+    for piece, path in pieces:
+        if piece.expert is None:
+            return [(piece, path)]
+    by_expert = {piece.expert: (piece, path) for piece, path in pieces}
+    return [by_expert[e] for e in range(n_experts)] if pieces and set(by_expert) == set(range(n_experts)) else []
+
+
+def _hf_label(ours: str, pieces: list[tuple[Piece, Path]] | None = None, n_experts: int = 0) -> str:
+    """A missing tensor as the checkpoint would name it (of a stacked expert weight with some experts present: the
+    experts missing)."""
+    if pieces:
+        lacking = sorted(set(range(n_experts)) - {p.expert for p, _ in pieces})
+        return f"experts {lacking[:8]}{' ...' if len(lacking) > 8 else ''} of {ours} (as {pieces[0][0].hf})"
+    try:
+        return to_hf_name(ours)
+    except KeyError:
+        return f"{ours} (its Hugging Face tensors)"
+
+
+def _weight_map(directory: Path) -> dict[str, list[tuple[Piece, Path]]]:
+    """Our tensor's name -> the checkpoint's tensors that hold it, or a part of it, with their safetensors files."""
     from safetensors import safe_open
 
     index = directory / INDEX
@@ -102,30 +126,27 @@ def _weight_map(directory: Path) -> dict[str, Path]:
             raise ConfigError(f"{directory / SINGLE}: not a readable safetensors file ({e})") from None
     else:
         raise ConfigError(f"{directory}: no {SINGLE} or {INDEX} (only safetensors weights are read)")
-    out = {}
+    out: dict[str, list[tuple[Piece, Path]]] = {}
     for name, path in hf_files.items():
         if name.endswith("rotary_emb.inv_freq"):  # older exports keep the rotary buffer; it is recomputed
             continue
         try:
-            out[from_hf_name(name)] = path
+            pieces = hf_pieces(name)
         except KeyError:
             raise ConfigError(f"{path}: unexpected tensor {name!r} for this model family") from None
+        for piece in pieces:
+            out.setdefault(piece.ours, []).append((piece, path))
     return out
 
 
 def expected_names(fields: dict) -> list[str]:
-    """Our parameter names for a model of these fields (a tied head shares the embedding)."""
-    names = ["tok_embeddings.weight", "norm.weight"] + ([] if fields["tie_embeddings"] else ["output.weight"])
-    for i in range(fields["n_layers"]):
-        p = f"layers.{i}."
-        names += [p + "attention_norm.weight", p + "ffn_norm.weight"]
-        if fields.get("qk_norm"):
-            names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"]
-        for lin, bias in (("wq", "qkv_bias"), ("wk", "qkv_bias"), ("wv", "qkv_bias"), ("wo", "out_bias")):
-            names += [f"{p}attention.{lin}.weight"] + ([f"{p}attention.{lin}.bias"] if fields[bias] else [])
-        for lin in ("w1", "w2", "w3"):
-            names += [f"{p}feed_forward.{lin}.weight"] + ([f"{p}feed_forward.{lin}.bias"] if fields["mlp_bias"] else [])
-    return names
+    """Our tensors a checkpoint holds for a model of these fields (a tied head shares the embedding): the state
+    dict of the model they build, on "meta"."""
+    from holotrain.model.registry import build
+
+    with torch.device("meta"):
+        state = build(ModelArgs(**{k: v for k, v in fields.items() if k in FIELDS})).state_dict()
+    return [n for n in state if not (fields["tie_embeddings"] and n == "output.weight")]
 
 
 def _natural(name: str):
@@ -191,16 +212,17 @@ def load_hf_weights(model: nn.Module, pretrained: Pretrained) -> int:
     from safetensors import safe_open
 
     params = dict(_plain_names(model))
-    by_file: dict[Path, list[str]] = {}
+    by_file: dict[Path, list[tuple[str, Piece]]] = {}
     for name in params:
         if name not in pretrained.weight_files:
-            raise ConfigError(f"{pretrained.directory}: the weights lack {to_hf_name(name)}")
-        by_file.setdefault(pretrained.weight_files[name], []).append(name)
+            raise ConfigError(f"{pretrained.directory}: the weights lack {_hf_label(name)}")
+        for piece, path in pretrained.weight_files[name]:
+            by_file.setdefault(path, []).append((name, piece))
     read = 0
     for path in sorted(by_file):
         with safe_open(str(path), framework="pt") as f:
-            for name in by_file[path]:
-                read += _copy_slice(params[name], f.get_slice(to_hf_name(name)), name, path)
+            for name, piece in by_file[path]:
+                read += _copy_slice(params[name], f.get_slice(piece.hf), piece, path)
         _drop_from_page_cache(path)
     return read
 
@@ -218,17 +240,25 @@ def _drop_from_page_cache(path: Path) -> None:
 
 
 def _plain_names(model: nn.Module):
-    """(the plain model's parameter name, parameter), wrappers (activation checkpointing, compile) removed."""
-    for name, p in model.named_parameters():
+    """(the plain model's name, tensor) of its parameters and the buffers a checkpoint keeps (a sigmoid router's
+    expert bias), wrappers (activation checkpointing, compile) removed."""
+    kept = set()
+    for prefix, module in model.named_modules():
+        kept.update(f"{prefix}.{b}" if prefix else b for b in module._buffers
+                    if b not in module._non_persistent_buffers_set)
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in kept)]
+    for name, p in tensors:
         yield name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""), p
 
 
-def _copy_slice(param: torch.Tensor, stored, name: str, path: Path) -> int:
+def _copy_slice(param: torch.Tensor, stored, piece: Piece, path: Path) -> int:
+    """The part of the stored tensor that is this rank's of `param` (all of it, or its DTensor shard), through
+    what the piece holds of it (all, one expert's slice, or a half of dimension 1); returns the bytes read."""
     from torch.distributed.tensor import DTensor
 
-    shape = tuple(stored.get_shape())
-    if shape != tuple(param.shape):
-        raise ConfigError(f"{path}: {to_hf_name(name)} has shape {list(shape)}, the model expects {list(param.shape)}")
+    shape, expected = tuple(stored.get_shape()), piece.stored_shape(tuple(param.shape))
+    if shape != expected:
+        raise ConfigError(f"{path}: {piece.hf} has shape {list(shape)}, the model expects {list(expected)}")
     if isinstance(param, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -238,8 +268,17 @@ def _copy_slice(param: torch.Tensor, stored, name: str, path: Path) -> int:
             return 0
         index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
     else:
-        local, index = param, tuple(slice(None) for _ in shape)
+        local, index = param, tuple(slice(0, n) for n in param.shape)
+    target = local
+    if piece.expert is not None:  # one expert's [F, D] of our [E, F, D]: if this rank holds it
+        rows, index = index[0], index[1:]
+        if not rows.start <= piece.expert < rows.stop:
+            return 0
+        target = local[piece.expert - rows.start]
+    elif piece.half is not None:  # our rows of dimension 1 within the fused tensor's
+        F, rows = param.shape[1], index[1]
+        index = (index[0], slice(rows.start + piece.half * F, rows.stop + piece.half * F), *index[2:])
     values = stored[index] if index else stored[:]
-    local.copy_(values.to(local.device, non_blocking=False).view(local.shape))
+    target.copy_(values.to(target.device, non_blocking=False).view(target.shape))
     return values.numel() * values.element_size()
 

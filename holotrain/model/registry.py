@@ -11,9 +11,11 @@ from torch import nn
 
 from holotrain.errors import ConfigError
 from holotrain.model.args import FIELDS, SWITCHES, Family, ModelArgs
-from holotrain.model.families import llama, mistral, qwen2, qwen3
+from holotrain.model.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from holotrain.model.moe import moe_problem
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY,
+                                                   qwen3_moe.FAMILY, mixtral.FAMILY)}
 DEFAULT_FAMILY = llama.FAMILY.name  # a config that names none (and a run saved before families were named)
 
 
@@ -55,12 +57,29 @@ def check(args: ModelArgs) -> None:
             raise ConfigError(f"model.{key} = {getattr(args, key)!r}: the {family.name} family has {key} = {value!r}")
     for key in SWITCHES:
         if key not in family.fixed and key not in family.allowed and getattr(args, key):
-            owners = [f.name for f in FAMILIES.values() if key in f.allowed or f.fixed.get(key)]
+            owners = [f for f in FAMILIES.values() if key in f.allowed or f.fixed.get(key)]
+            # The families of the same kind (dense or mixture of experts) first: mistral for a llama's window.
+            owners = [f.name for f in owners if _moe(f) == _moe(family)] or [f.name for f in owners]
             raise ConfigError(f"model.{key} is not part of the {family.name} family"
-                              + (f" ({', '.join(owners)} has it: set model.family)" if owners else ""))
-    problem = family.check(args)
+                              + (f" ({', '.join(owners)} {'has' if len(owners) == 1 else 'have'} it: set "
+                                 "model.family)" if owners else ""))
+    problem = moe_problem(args) or family.check(args)
     if problem:
         raise ConfigError(problem)
+
+
+def _moe(family: Family) -> bool:
+    return any(shape.n_experts for shape in family.presets.values())
+
+
+def parallel_problem(args: ModelArgs, tp: int = 1) -> str | None:
+    """What these arguments cannot run with among the parallel sizes (one line naming the keys), or None, for the
+    config's rules across sections: a mixture-of-experts model under tensor parallelism, for now (its blocks refuse
+    it too, when the plan reads them: Decoder.layer_roles)."""
+    if args.n_experts and tp > 1:
+        return (f"parallel.tp = {tp}: tensor parallelism does not split a mixture-of-experts feed-forward yet "
+                f"(model.n_experts = {args.n_experts}); set parallel.tp = 1")
+    return None
 
 
 def model_args(section) -> ModelArgs:

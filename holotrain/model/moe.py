@@ -1,0 +1,204 @@
+"""The mixture-of-experts feed-forward (Qwen3-MoE, Mixtral; DeepSeek-V3's sigmoid router as an option): a router
+picks n_active_experts of n_experts SwiGLU experts per token, the token's copies are sorted by expert, the experts
+run as grouped GEMMs over the sorted rows (no token dropped, no capacity), and the outputs go back to their tokens,
+summed with the routing weights.
+
+The steps are separate methods, so that expert parallelism (parallel/ep.py) can replace the middle one alone:
+
+    route        x [N, D] -> weights [N, k], experts [N, k], logits [N, E], scores [N, E]
+    permute      the N * k token copies sorted by expert, the count per expert [E], the order that sorted them
+    run_experts  the sorted rows through their experts (an expert-parallel wrapper: dispatch, the local experts'
+                 grouped_swiglu over its weights' shard, combine)
+    unpermute    the outputs back in token order, weighted and summed over each token's k experts
+
+Each forward keeps what later metrics and the router-bias update read: `last_load` [E] (token copies per expert,
+detached), `last_aux` [2] (the load-balancing and z-loss values, detached), and `aux_loss`, the weighted auxiliary
+term with its graph (when a coefficient is > 0), which the decoder's loss takes into the training gradient
+(decoder.Decoder.loss) and clears. Expert weights are stacked 3-D parameters, w1 (gate) and w3 (up) [E, F, D] and
+w2 (down) [E, D, F], as Hugging Face's per-expert linears stacked (model/hf.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from holotrain.model.args import ModelArgs
+from holotrain.model.parts import FeedForward
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+def moe_problem(args: ModelArgs) -> str | None:
+    """What is wrong with the arguments' mixture-of-experts fields (one line), or None."""
+    if not args.n_experts:
+        return None
+    if args.n_experts < 0:
+        return f"model.n_experts must be >= 0, got {args.n_experts}"
+    if not 1 <= args.n_active_experts <= args.n_experts:
+        return (f"model.n_active_experts = {args.n_active_experts} must be between 1 and model.n_experts = "
+                f"{args.n_experts}")
+    if args.moe_ffn_dim <= 0:
+        return f"model.moe_ffn_dim must be positive, got {args.moe_ffn_dim}"
+    if args.shared_ffn_dim < 0:
+        return f"model.shared_ffn_dim must be >= 0 (0: no shared experts), got {args.shared_ffn_dim}"
+    if args.router not in ROUTERS:
+        return f"model.router must be one of {', '.join(ROUTERS)}, got {args.router!r}"
+    if args.moe_every < 1:
+        return f"model.moe_every must be >= 1, got {args.moe_every}"
+    if any(not 0 <= i < args.n_layers for i in args.dense_layers):
+        return f"model.dense_layers {list(args.dense_layers)} must be block indices below {args.n_layers}"
+    for key in ("moe_aux_loss_coef", "router_z_loss_coef"):
+        if getattr(args, key) < 0:
+            return f"model.{key} must be >= 0, got {getattr(args, key)}"
+    return None
+
+
+class Router(nn.Module):
+    """The router's linear (dim -> n_experts, no bias). Not an nn.Linear: the FP8 lever leaves it in the compute
+    dtype (a routing decision is not worth an FP8 cast)."""
+
+    def __init__(self, dim: int, n_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   grouped: bool | None = None) -> torch.Tensor:
+    """Rows x [M, D] sorted by expert, counts [E] rows per expert (summing to M), through each expert's SwiGLU
+    w2[e] (silu(w1[e] x) * w3[e] x): [M, D]. `grouped` (None: on CUDA in bf16) runs torch._grouped_mm, three GEMMs
+    over all experts with the row counts' offsets and no host synchronization (bf16 only, as torch.compile traces
+    it); else the reference: a loop over the experts' row blocks (torch.split at the counts, read on the host)."""
+    w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
+    if grouped is None:
+        grouped = x.is_cuda and x.dtype == torch.bfloat16
+    if grouped:
+        offs = counts.cumsum(0).to(torch.int32)
+        gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    parts = [F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, b), c)
+             for rows, a, b, c in zip(x.split(counts.tolist()), w1, w3, w2)]
+    return torch.cat(parts) if parts else x.new_zeros(0, w2.shape[1])
+
+
+def load_balance_loss(scores: torch.Tensor, counts: torch.Tensor, router: str = "softmax") -> torch.Tensor:
+    """Switch Transformer's load-balancing loss, E * sum_e f_e * P_e: f_e the share of the token copies routed to
+    expert e (counts / their sum, no gradient), P_e the mean over tokens of e's routing probability (the softmax; a
+    sigmoid router's scores normalized per token). 1 when both are uniform."""
+    probs = scores if router == "softmax" else scores / scores.sum(-1, keepdim=True)
+    share = counts.float() / counts.sum().clamp(min=1)
+    return scores.shape[-1] * (share * probs.float().mean(0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2 (keeps the logits small)."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts feed-forward of one block (see the module's docstring)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        E, F_, D = args.n_experts, args.moe_ffn_dim, args.dim
+        self.n_experts, self.top_k, self.router_kind = E, args.n_active_experts, args.router
+        self.norm_topk_prob = args.norm_topk_prob
+        self.aux_coef, self.z_coef = args.moe_aux_loss_coef, args.router_z_loss_coef
+        self.router = Router(D, E)
+        self.w1 = nn.Parameter(torch.empty(E, F_, D))  # gate
+        self.w3 = nn.Parameter(torch.empty(E, F_, D))  # up
+        self.w2 = nn.Parameter(torch.empty(E, D, F_))  # down
+        self.shared = (FeedForward(ModelArgs(dim=D, ffn_dim=args.shared_ffn_dim, n_heads=0))
+                       if args.shared_ffn_dim else None)
+        if args.router == "sigmoid":
+            # DeepSeek-V3's auxiliary-loss-free balancing: added to the scores for the choice only (update_bias).
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.grouped: bool | None = None  # grouped_swiglu's path (None: grouped GEMMs on CUDA in bf16)
+        # Of the last forward: token copies per expert [E], (load balance, z-loss) values, the weighted aux term.
+        self.last_load: torch.Tensor | None = None
+        self.last_aux: torch.Tensor | None = None
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts, logits, scores = self.route(x)
+        rows, counts, order = self.permute(x, experts)
+        out = self.unpermute(self.run_experts(rows, counts), order, weights)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        self.record(logits, scores, counts)
+        return out.view(shape)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's k experts [N, k] and their weights [N, k] (x's dtype), with the router's logits [N, E] and
+        scores [N, E] (fp32: softmax probabilities, or sigmoid scores) for the auxiliary losses."""
+        logits = self.router(x)
+        if self.router_kind == "softmax":
+            # Mixtral's softmax over the top-k logits is this with norm_topk_prob.
+            scores = logits.float().softmax(dim=-1)
+            weights, experts = scores.topk(self.top_k, dim=-1)
+        else:
+            scores = logits.float().sigmoid()
+            experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts, logits, scores
+
+    def permute(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The N * k token copies sorted by expert [N * k, D] (stable: each expert's in token order), the count per
+        expert [E], and `order`: the copy (token * k + slot) each sorted row is."""
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        return x[order // self.top_k], counts, order
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The sorted rows through their experts. What expert parallelism replaces: dispatch (parallel/ep.py) the
+        rows to the ranks holding their experts, grouped_swiglu with the local weights, combine them back."""
+        return grouped_swiglu(rows, counts, self.w1, self.w3, self.w2, self.grouped)
+
+    def unpermute(self, out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs [N * k, D] (sorted as permute left them) back in token order, each token's k summed
+        with their weights [N, k]: [N, D]."""
+        copies = torch.empty_like(out).index_copy(0, order, out).view(*weights.shape, -1)
+        return (copies * weights.unsqueeze(-1)).sum(dim=1)
+
+    def record(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
+        """This forward's load and auxiliary losses (see the module's docstring); nothing of them under no_grad
+        (generation) but the load."""
+        self.last_load = counts.detach()
+        self.aux_loss = None
+        if not torch.is_grad_enabled():
+            return
+        weighted = self.aux_coef > 0 or self.z_coef > 0
+        with torch.set_grad_enabled(weighted):
+            balance = load_balance_loss(scores, counts, self.router_kind)
+            z = router_z_loss(logits)
+        self.last_aux = torch.stack([balance, z]).detach()
+        if weighted:
+            self.aux_loss = self.aux_coef * balance + self.z_coef * z
+
+    @torch.no_grad()
+    def update_bias(self, rate: float, load: torch.Tensor | None = None) -> None:
+        """The sigmoid router's balancing step (DeepSeek-V3), for the trainer after an optimizer step:
+        bias += rate * sign(mean load - load), over `load` [E] (default: the last forward's; a trainer sums its
+        micro-batches' and its data-parallel ranks')."""
+        if self.expert_bias is None:
+            raise ValueError("update_bias: the softmax router has no expert bias (model.router = 'sigmoid' has)")
+        load = (self.last_load if load is None else load).float()
+        self.expert_bias += rate * torch.sign(load.mean() - load)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The expert bias starts at zero (a model built on "meta" and placed holds garbage)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
