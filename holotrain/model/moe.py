@@ -72,17 +72,19 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
     w2[e] (silu(w1[e] x) * w3[e] x): [M, D]. `grouped` (None: on CUDA in bf16) runs torch._grouped_mm, three GEMMs
     over all experts with the row counts' offsets and no host synchronization (bf16 only, as torch.compile traces
     it); else the reference: a loop over the experts' row blocks (torch.split at the counts, read on the host)."""
-    w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
     if grouped is None:
         grouped = x.is_cuda and x.dtype == torch.bfloat16
-    if grouped:
-        offs = counts.cumsum(0).to(torch.int32)
-        gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-        up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
-    parts = [F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, b), c)
-             for rows, a, b, c in zip(x.split(counts.tolist()), w1, w3, w2)]
-    return torch.cat(parts) if parts else x.new_zeros(0, w2.shape[1])
+    # In x's dtype whatever autocast says (it would run the grouped GEMMs in fp32): the weights cast to it.
+    with torch.autocast(x.device.type, enabled=False):
+        w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
+        if grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+        parts = [F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, b), c)
+                 for rows, a, b, c in zip(x.split(counts.tolist()), w1, w3, w2)]
+        return torch.cat(parts) if parts else x.new_zeros(0, w2.shape[1])
 
 
 def load_balance_loss(scores: torch.Tensor, counts: torch.Tensor, router: str = "softmax") -> torch.Tensor:
