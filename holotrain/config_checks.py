@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from holotrain.model.registry import model_args, parallel_problem
 from holotrain.section import need
 
 # The order the sections are checked in: the first error found is the one reported.
@@ -50,6 +51,9 @@ def check_across(cfg, tokenizer_vocab: int | None = None) -> None:
              "parallel.tp_overlap='fused' computes in bf16: set training.dtype to auto or bf16")
         need(not getattr(mem, "offload", False),
              "parallel.tp > 1 does not combine with memory.offload yet: use one of them")
+    problem = parallel_problem(model_args(m), tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep)
+    need(problem is None, problem)
+    need(not (mem.offload and par.ep > 1), "memory.offload does not combine with parallel.ep > 1 yet: use one of them")
     if par.pp > 1:
         # What pipeline stages do not run with yet, each in one line.
         need(not mem.offload, "parallel.pp > 1 does not combine with memory.offload: use one of them")

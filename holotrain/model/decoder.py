@@ -38,11 +38,13 @@ class Hooks:
     sequence       context parallelism: split(tokens, targets, doc_ids, T) spreads each sequence over the group
     loss_chunk_tokens  memory: > 0 takes the head and the loss in pieces of this many tokens
     tp_comm        tensor parallelism: its communicator, for levers that fuse into its collectives (FP8)
+    experts        expert parallelism: experts(rows, counts, local) runs a mixture-of-experts layer's sorted token
+                   copies through the experts held across the group (parallel/ep.py), `local` this rank's share
     sequence_shards (through shard_sequence): the hidden state between blocks holds 1/this of each sequence's tokens
     """
 
     SLOTS = {"run_block": None, "after_backward": (), "loss": None, "sequence": None, "loss_chunk_tokens": 0,
-             "tp_comm": None}
+             "tp_comm": None, "experts": None}
 
     def __init__(self):
         for slot, default in self.SLOTS.items():
@@ -81,6 +83,8 @@ class Decoder(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by index keeps names stable when blocks are wrapped or pipelined.
         self.layers = nn.ModuleDict({str(i): block(args, i) for i in range(args.n_layers)})
+        for moe in self.moe_modules().values():
+            moe.hooks = self.hooks  # the experts hook (expert parallelism) is the model's, read by each MoE layer
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()

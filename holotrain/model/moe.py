@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from holotrain.model.args import ModelArgs
 from holotrain.model.parts import FeedForward
@@ -121,10 +122,13 @@ class MoE(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         else:
             self.expert_bias = None
+        self.hooks = None  # the decoder's Hooks (its `experts` slot: expert parallelism), set by the decoder
         self.grouped: bool | None = None  # grouped_swiglu's path (None: grouped GEMMs on CUDA in bf16)
-        # Of the last forward: token copies per expert [E], (load balance, z-loss) values, the weighted aux term.
+        # Of the last forward: token copies per expert [E], (load balance, z-loss) values, the mean over tokens of
+        # the routing distribution's entropy (nats; the trainer's routing metrics), the weighted aux term.
         self.last_load: torch.Tensor | None = None
         self.last_aux: torch.Tensor | None = None
+        self.last_entropy: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,11 +136,13 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, experts, logits, scores = self.route(x)
         rows, counts, order = self.permute(x, experts)
-        out = self.unpermute(self.run_experts(rows, counts), order, weights)
+        # Weights shaped as the input's tokens, so that the output is made in x's shape (not a view of another
+        # tensor: FSDP2 warns of a wrapped module's view outputs).
+        out = self.unpermute(self.run_experts(rows, counts), order, weights.view(*shape[:-1], self.top_k))
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared(x).view(shape)
         self.record(logits, scores, counts)
-        return out.view(shape)
+        return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each token's k experts [N, k] and their weights [N, k] (x's dtype), with the router's logits [N, E] and
@@ -164,19 +170,26 @@ class MoE(nn.Module):
         return x[order // self.top_k], counts, order
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The sorted rows through their experts. What expert parallelism replaces: dispatch (parallel/ep.py) the
-        rows to the ranks holding their experts, grouped_swiglu with the local weights, combine them back."""
-        return grouped_swiglu(rows, counts, self.w1, self.w3, self.w2, self.grouped)
+        """The sorted rows through their experts: here, or under expert parallelism (the decoder's `experts` hook,
+        parallel/ep.py) sent to the ranks holding their experts, run there by `local` with that rank's share of the
+        weights (a DTensor's local shard: the experts of that rank), and sent back."""
+        w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
+
+        def local(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            return grouped_swiglu(rows, counts, w1, w3, w2, self.grouped)
+
+        exchange = self.hooks.experts if self.hooks is not None else None
+        return local(rows, counts) if exchange is None else exchange(rows, counts, local)
 
     def unpermute(self, out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The experts' outputs [N * k, D] (sorted as permute left them) back in token order, each token's k summed
-        with their weights [N, k]: [N, D]."""
+        with their weights [..., k] (the N tokens in any shape): [..., D]."""
         copies = torch.empty_like(out).index_copy(0, order, out).view(*weights.shape, -1)
-        return (copies * weights.unsqueeze(-1)).sum(dim=1)
+        return (copies * weights.unsqueeze(-1)).sum(dim=-2)
 
     def record(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
-        """This forward's load and auxiliary losses (see the module's docstring); nothing of them under no_grad
-        (generation) but the load."""
+        """This forward's load, auxiliary losses and routing entropy (see the module's docstring); nothing of them
+        under no_grad (generation) but the load."""
         self.last_load = counts.detach()
         self.aux_loss = None
         if not torch.is_grad_enabled():
@@ -186,6 +199,10 @@ class MoE(nn.Module):
             balance = load_balance_loss(scores, counts, self.router_kind)
             z = router_z_loss(logits)
         self.last_aux = torch.stack([balance, z]).detach()
+        with torch.no_grad():
+            # The distribution the balance loss reads: softmax probabilities, or sigmoid scores normalized per token.
+            probs = scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)
+            self.last_entropy = -torch.xlogy(probs, probs).sum(-1).mean()
         if weighted:
             self.aux_loss = self.aux_coef * balance + self.z_coef * z
 
@@ -198,6 +215,16 @@ class MoE(nn.Module):
             raise ValueError("update_bias: the softmax router has no expert bias (model.router = 'sigmoid' has)")
         load = (self.last_load if load is None else load).float()
         self.expert_bias += rate * torch.sign(load.mean() - load)
+
+    def shard_experts(self, mesh) -> None:
+        """Expert parallelism (parallel/ep.py): the expert weights become DTensors split by expert (dim 0) over
+        `mesh`, each rank keeping its E / ep (a model built on "meta": no values move)."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for name in ("w1", "w3", "w2"):
+            full = getattr(self, name)
+            self.register_parameter(name, nn.Parameter(
+                distribute_tensor(full.detach(), mesh, [Shard(0)], src_data_rank=None), full.requires_grad))
 
     @torch.no_grad()
     def reset_buffers(self) -> None:

@@ -72,13 +72,23 @@ def _moe(family: Family) -> bool:
     return any(shape.n_experts for shape in family.presets.values())
 
 
-def parallel_problem(args: ModelArgs, tp: int = 1) -> str | None:
+def parallel_problem(args: ModelArgs, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> str | None:
     """What these arguments cannot run with among the parallel sizes (one line naming the keys), or None, for the
     config's rules across sections: a mixture-of-experts model under tensor parallelism, for now (its blocks refuse
-    it too, when the plan reads them: Decoder.layer_roles)."""
+    it too, when the plan reads them: Decoder.layer_roles); expert parallelism on a dense model, over a number of
+    ranks that does not divide the experts, or beside context or pipeline parallelism (not yet)."""
     if args.n_experts and tp > 1:
         return (f"parallel.tp = {tp}: tensor parallelism does not split a mixture-of-experts feed-forward yet "
                 f"(model.n_experts = {args.n_experts}); set parallel.tp = 1")
+    if ep > 1:
+        if not args.n_experts:
+            return (f"parallel.ep = {ep} splits a mixture-of-experts model's experts; this {args.family} model is "
+                    "dense (model.n_experts = 0): set parallel.ep = 1")
+        if args.n_experts % ep:
+            return f"parallel.ep = {ep} must divide model.n_experts = {args.n_experts} (each rank holds n_experts / ep)"
+        for key, n in (("cp", cp), ("pp", pp)):
+            if n > 1:
+                return f"parallel.ep = {ep} does not combine with parallel.{key} = {n} yet: set one of them to 1"
     return None
 
 

@@ -94,12 +94,20 @@ _BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: norms (1-D parameters) are not decayed. Empty groups are left out."""
-    params = list(params)
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-            if g["params"]]
+    """Weight decay on matrices only: norms (1-D parameters) are not decayed. Empty groups are left out. DTensor
+    parameters on different meshes (expert parallelism's expert weights) go in groups of their own: a fused or
+    foreach kernel takes one mesh's tensors at a time."""
+    groups: dict = {}
+    for p in params:
+        decay = p.ndim >= 2
+        groups.setdefault((not decay, _mesh_key(p)), {"params": [], "weight_decay": weight_decay if decay else 0.0})
+        groups[(not decay, _mesh_key(p))]["params"].append(p)
+    return list(groups.values())
+
+
+def _mesh_key(t: torch.Tensor):
+    mesh = getattr(t, "device_mesh", None)
+    return None if mesh is None else (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
 
 
 def fused_adamw(params: Iterable[nn.Parameter], lr: float, hyper: AdamWHyper) -> torch.optim.AdamW:
@@ -115,6 +123,28 @@ def step_clipped(optimizer: torch.optim.Optimizer, norm: torch.Tensor, clip: flo
     optimizer.found_inf = (~torch.isfinite(norm)).float()
     optimizer.step()
     optimizer.grad_scale = optimizer.found_inf = None
+
+
+def _by_mesh(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters with gradients, grouped by their gradients' mesh (one group of plain tensors)."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(_mesh_key(p.grad), []).append(p)
+    return list(groups.values())
+
+
+def sharded_clip(params: Iterable[nn.Parameter], clip: float) -> torch.Tensor:
+    """Clips FSDP2's DTensor gradients, possibly on several meshes (expert parallelism shards the expert weights
+    over other ranks than the rest): each mesh's norm, their total (returned, a plain tensor), and the clip applied
+    to one mesh's gradients at a time (DTensor ops take one mesh's operands)."""
+    groups = _by_mesh(params)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, clip, total)
+    return total
 
 
 class DeviceAdamW:
@@ -156,9 +186,9 @@ class DeviceAdamW:
                 if self.whole_norm is not None:
                     grad_norm = self.whole_norm()
                     torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.hyper.clip, grad_norm)
+                    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
                 else:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hyper.clip)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                    grad_norm = sharded_clip(self.model.parameters(), self.hyper.clip)
                 if math.isfinite(grad_norm.item()):
                     self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

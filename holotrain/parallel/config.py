@@ -1,4 +1,5 @@
-"""The config's [parallel] section: data, tensor, context and pipeline parallelism, and the checks on its own keys."""
+"""The config's [parallel] section: data, tensor, context, pipeline and expert parallelism, and the checks on its
+own keys."""
 
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ class ParallelConfig(Section):
     pp: int = 1
     pp_schedule: str = "auto"
     pp_microbatches: int = 0
+    # Expert parallelism (holotrain/parallel/ep.py), for mixture-of-experts models: each mixture-of-experts layer's
+    # experts split over this many of the data-parallel ranks (adjacent ones; they must divide model.n_experts and
+    # the data-parallel size), each token's copies sent to its experts' ranks and back by all-to-all. The expert
+    # weights are then FSDP-sharded over the remaining data-parallel ranks. Not yet with cp, tp or pp. 1 = off.
+    ep: int = 1
 
     def check(self) -> None:
         need(self.dp == "fsdp", f"parallel.dp must be 'fsdp', got {self.dp!r}")
@@ -56,6 +62,7 @@ class ParallelConfig(Section):
              f"parallel.tp_overlap must be none, async_tp or fused, got {self.tp_overlap!r}")
         need(self.cp >= 1, f"parallel.cp must be >= 1, got {self.cp}")
         need(self.pp >= 1, f"parallel.pp must be >= 1, got {self.pp}")
+        need(self.ep >= 1, f"parallel.ep must be >= 1, got {self.ep}")
         need(self.pp_schedule in PP_SCHEDULES, f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, "
              f"got {self.pp_schedule!r}")
         need(self.pp_microbatches >= 0, f"parallel.pp_microbatches must be >= 0, got {self.pp_microbatches}")

@@ -34,7 +34,9 @@ class ParallelDims:
         if self.world % self.model_ranks:
             raise ConfigError(f"{what} needs a multiple of {self.model_ranks} ranks (world size {self.world})")
         if self.dp % self.ep:
-            raise ConfigError(f"parallel.ep={self.ep} must divide the data-parallel ranks ({self.dp})")
+            hint = (f": launch with torchrun --nproc_per_node={self.ep * self.model_ranks}" if self.world == 1 else
+                    "")
+            raise ConfigError(f"parallel.ep={self.ep} must divide the data-parallel ranks ({self.dp}){hint}")
 
     @classmethod
     def of(cls, section, world_size: int) -> ParallelDims:
@@ -57,6 +59,11 @@ class ParallelDims:
         return self.world // self.model_ranks
 
     @property
+    def expert_dp(self) -> int:
+        """Data-parallel ranks that hold the same experts (FSDP2 shards the expert weights over these): dp / ep."""
+        return self.dp // self.ep
+
+    @property
     def batch_group(self) -> int:
         """Ranks of one stage that take the same rows: a tensor- and context-parallel group (adjacent ranks)."""
         return self.cp * self.tp
@@ -76,11 +83,17 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """The job's DeviceMesh: dimensions ("pp", "dp", "cp", "tp"), of which a size-1 one other than "dp" is left
-        out (("dp",) for plain data parallelism); None on one process."""
+        out (("dp",) for plain data parallelism); None on one process. With ep > 1, "dp" is split into ("edp", "ep"),
+        the expert-parallel groups of adjacent data-parallel ranks, and "dp" is their flattening (same ranks, same
+        order), so the levers that read "dp" see no difference."""
         if self.world == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        dims = [(name, n) for name, n in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp))
-                if n > 1 or name == "dp"]
-        return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+        data = [("edp", self.expert_dp), ("ep", self.ep)] if self.ep > 1 else [("dp", self.dp)]
+        dims = [(name, n) for name, n in (("pp", self.pp), *data, ("cp", self.cp), ("tp", self.tp))
+                if n > 1 or name in ("dp", "edp", "ep")]
+        mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+        if self.ep > 1:
+            mesh["edp", "ep"]._flatten("dp")
+        return mesh

@@ -74,3 +74,45 @@ def combine(y: torch.Tensor, how: Dispatched, group) -> torch.Tensor:
     inverse = torch.empty_like(how.order)
     inverse[how.order] = torch.arange(how.order.numel(), device=how.order.device)
     return all_to_all(y[inverse], how.sent, how.received, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class ExpertExchange:
+    """The model's `experts` hook under expert parallelism: a mixture-of-experts layer's sorted token copies sent to
+    the ranks holding their experts, run there, and sent back.
+
+    A rank's expert-weight gradients sum the tokens of its whole expert-parallel group, where every other gradient
+    holds its own rank's rows only; FSDP2 averages both over the ranks holding the same weights (for experts, the
+    data-parallel ranks / ep of them). So the gradient into the local experts is divided by ep, and the gradient
+    out to the tokens multiplied back: the tokens' gradients are unchanged and the experts' come out as the mean over
+    every data-parallel rank's rows, as the rest of the model's."""
+
+    def __init__(self, group):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, local) -> torch.Tensor:
+        received, local_counts, how = dispatch(rows, counts, self.group)
+        out = local(_ScaleGrad.apply(received, float(self.ep)), local_counts)
+        return combine(_ScaleGrad.apply(out, 1.0 / self.ep), how, self.group)
+
+
+def apply_ep(model, mesh) -> None:
+    """Splits every mixture-of-experts layer's experts over `mesh` (the "ep" dimension: adjacent data-parallel
+    ranks) and routes the layers' tokens through the exchange. On the plain model, before FSDP2, which then shards
+    the expert weights over the ranks that hold the same experts (parallel/dp.py)."""
+    for moe in model.moe_modules().values():
+        moe.shard_experts(mesh)
+    model.hooks.install("experts", ExpertExchange(mesh.get_group()), owner="parallel")

@@ -1,6 +1,6 @@
-"""The parallel lever as the trainer sees it: the job's device mesh, tensor and context parallelism applied to the
-plain model, pipeline stages cut from it, and FSDP2 over the data-parallel ranks. Built from the `parallel` section
-alone."""
+"""The parallel lever as the trainer sees it: the job's device mesh, tensor, context and expert parallelism applied
+to the plain model, pipeline stages cut from it, and FSDP2 over the data-parallel ranks. Built from the `parallel`
+section alone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 from holotrain.parallel.cp import apply_cp
 from holotrain.parallel.dp import apply_fsdp
 from holotrain.parallel.dims import ParallelDims
+from holotrain.parallel.ep import apply_ep
 from holotrain.parallel.launch import DistEnv, fsdp_mesh
 from holotrain.parallel.pp_timeline import StageTimeline
 from holotrain.parallel.pp import PipelineModel, rank_stages, stage_bounds, stages_per_rank, unit_costs
@@ -39,10 +40,16 @@ class Parallel:
         if self.dims.cp > 1:
             self.cp_mode = apply_cp(model, self.mesh["cp"], self.section.cp_mode, self.dims.tp).mode
 
+    def apply_ep(self, model: nn.Module) -> None:
+        """Splits each mixture-of-experts layer's experts over the expert-parallel group: on the plain model."""
+        if self.dims.ep > 1:
+            apply_ep(model, self.mesh["ep"])
+
     def apply_fsdp(self, model: nn.Module, compute_dtype: torch.dtype) -> None:
         """Shards over the data-parallel ranks: last, after the compute levers (checkpointing, compilation)."""
         if self.env.world_size > 1:
-            apply_fsdp(model, fsdp_mesh(self.mesh), compute_dtype, self.section.reshard_after_forward)
+            apply_fsdp(model, fsdp_mesh(self.mesh), compute_dtype, self.section.reshard_after_forward,
+                       expert_mesh=self.mesh["edp"] if self.dims.ep > 1 else None)
 
     def stage_units(self, args: ModelArgs, seq_len: int) -> tuple[list[int], list[tuple[int, int]], int]:
         """With parallel.pp > 1 (its schedule resolved): the stages this rank holds, each one's units (first, last)

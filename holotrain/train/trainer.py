@@ -89,6 +89,7 @@ def _apply_levers(model: torch.nn.Module, cfg: Config, env: DistEnv, compute_dty
     """The levers on a plain model (or a pipeline stage of one) built on "meta", in order, then its weights."""
     par.apply_tp(model)
     par.apply_cp(model)
+    par.apply_ep(model)
     precision.apply(model)
     memory.apply(model, vocab_parallel_loss=cfg.parallel.tp > 1)
     if cfg.training.compile:
