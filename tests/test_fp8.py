@@ -344,3 +344,57 @@ def test_one_delayed_fp8_linear_matches_its_bf16_reference_on_the_gpu():
         assert sqnr(y, y8) > 25 and sqnr(xr.grad, xl.grad) > 20 and sqnr(ref.weight.grad, low.weight.grad) > 20
         ref.weight.grad = low.weight.grad = None
     assert (low.fp8_history[:, :3] > 0).all() and (low.fp8_history[:, 3:] == 0).all()
+
+
+def test_fp8_leaves_experts_in_bf16_where_their_grouped_gemms_cannot_run_and_says_so():
+    """On the CPU (FP8 emulated) a mixture-of-experts model's linear layers are converted, its experts are not."""
+    from holotrain.model import build
+    from holotrain.model.registry import preset
+    from holotrain.parallel import DistEnv
+    from holotrain.precision import build as build_precision
+
+    class Section:
+        fp8, fp8_skip, fp8_emulate = "tensorwise", [], True
+
+    model = build(preset("qwen3_moe", "tiny"))
+    precision = build_precision(Section(), DistEnv(0, 1, 0, torch.device("cpu")), 1)
+    precision.apply(model)
+    assert model.hooks.grouped_mm is None
+    assert "4 mixture-of-experts layers' experts in bf16 (FP8 grouped GEMMs need CUDA)" in precision.describe()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper GPU (FP8 rowwise grouped GEMMs)")
+def test_fp8_grouped_experts_match_bf16_within_fp8_tolerance():
+    """The FP8 lever's grouped GEMM (the model's grouped_mm hook) against torch._grouped_mm on 16 experts' SwiGLU:
+    outputs and all gradients."""
+    from holotrain.model import build
+    from holotrain.model.moe import grouped_swiglu
+    from holotrain.model.registry import preset
+    from holotrain.parallel import DistEnv
+    from holotrain.precision import build as build_precision
+
+    class Section:
+        fp8, fp8_skip, fp8_emulate = "rowwise", [], False
+
+    with torch.device("meta"):
+        model = build(preset("qwen3_moe", "tiny"))
+    build_precision(Section(), DistEnv(0, 1, 0, torch.device("cuda")), 1).apply(model)
+    mm = model.hooks.grouped_mm
+    assert mm is not None
+    torch.manual_seed(0)
+    E, D, F_ = 16, 1024, 512
+    counts = torch.randint(32, 512, (E,), device="cuda")
+    counts[3] = 0  # an expert with no token
+    x = torch.randn(int(counts.sum()), D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ws = [(torch.randn(E, F_, D, device="cuda") * D ** -0.5).requires_grad_() for _ in range(2)]
+    w2 = (torch.randn(E, D, F_, device="cuda") * F_ ** -0.5).requires_grad_()
+    grads = []
+    for fn in (None, mm):
+        for t in (x, *ws, w2):
+            t.grad = None
+        y = grouped_swiglu(x, counts, ws[0], ws[1], w2, grouped=True, mm=fn)
+        y.backward(torch.ones_like(y))
+        grads.append([y.detach().float()] + [t.grad.float() for t in (x, *ws, w2)])
+    for ref, low in zip(*grads):
+        assert sqnr(ref, low) > 20

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Model families, validation and generation on one H200, through `holotrain train` on the shipped configs.
+# Model families (mixture of experts included), validation and generation on one H200, through `holotrain train` on
+# the shipped configs.
 # Usage (repo root, on the GPU machine): bash bench/gpu/models.sh OUT_DIR PART [ARGS...]
 # Parts, one line each (the comment above each part_ function below gives the details and the environment knobs):
 #   families [STEPS] [WHAT]   the Qwen3 shape's MFU beside the 1.4b's, the planner's first prediction, the FP8 peer
 #   eval [STEPS] [WHAT]       validation's cost against none, generation's speed against transformers
+#   moe [STEPS] [WHAT]        the Qwen3-30B-A3B layer shape against transformers' Qwen3-MoE; expert load balancing
 # Each part writes its logs, metrics and summaries into OUT_DIR (made if missing).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -73,6 +75,48 @@ part_eval() {
          timeout 300 python3 bench/generate_speed.py /tmp/eval-eval /tmp/eval-hf ${STATIC:+--static} 2>&1 \
            | grep -v -i warn | tee "$out/generate.log" ;;
   esac; done
+}
+
+# Mixture of experts. STEPS is the train part's; WHAT (default "train peer") picks among:
+#   train    the Qwen3-30B-A3B layer shape at the depth one H200 holds (--config qwen3-30b-a3b: 10 layers, T=2048,
+#            B=32), STEPS (40) steps with the levers the planner picks (`holotrain train --plan auto`, TRIALS (2)
+#            trials; PLAN=0: the config's micro-batch and the memory plan's checkpointing instead): tokens/s, TFLOP/s
+#            and MFU by active parameters, the median of the rows (logged every 5 steps) after the first; no eval
+#   peer     bench/moe_peer.py: transformers' Qwen3MoeForCausalLM of the same shape, depth and batch under
+#            torch.compile, once per PEERS entry "experts:precision" (default "grouped_mm:bf16 grouped_mm:autocast
+#            eager:autocast"), each capped at PEER_CAP (150) s; batched_mm is left out (it gathers every token copy's
+#            expert weights: hundreds of GB a layer at this shape)
+#   balance  moe-balance (12 layers of d 1024, 64 experts, top 8) on the embedded corpus, its 300 steps twice: the
+#            sigmoid router (auxiliary-loss-free; BIAS_RATE sets model.router_bias_rate) and the softmax router with
+#            model.moe_aux_loss_coef = 0.01
+# Summary: bench/moe_summary.py OUT_DIR.
+part_moe() {
+  local steps=${1:-40} what=${2:-train peer}
+  cache_env
+  for w in $what; do case $w in
+    train) local plan=(--plan auto --plan.trials="${TRIALS:-2}")
+           [ "${PLAN:-1}" = 0 ] && plan=()
+           logged moe-train "$out/moe-train.log" 540 python3 -m holotrain.cli train --config qwen3-30b-a3b \
+             --training.steps="$steps" --training.log_every=5 --eval.every=0 --job.run_dir=/tmp/moe-train \
+             "${plan[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
+           grep -E "^holotrain: .*(plan|fp8|checkpointing|goodput)" "$out/moe-train.log" | head -6
+           cp /tmp/moe-train/plan.json "$out/moe-train-plan.json" 2>/dev/null
+           keep_metrics /tmp/moe-train moe-train ;;
+    peer) for run in ${PEERS:-grouped_mm:bf16 grouped_mm:autocast eager:autocast}; do
+            local impl=${run%%:*} precision=${run#*:}
+            logged "peer $run" "$out/peer-$impl-$precision.log" "${PEER_CAP:-150}" python3 bench/moe_peer.py \
+              --config qwen3-30b-a3b --experts "$impl" --precision "$precision" --out "$out/peer-$impl-$precision.json"
+            grep "^moe_peer: $impl" "$out/peer-$impl-$precision.log" | tail -3
+          done ;;
+    balance) for run in sigmoid aux; do
+               local extra=(${BIAS_RATE:+--model.router_bias_rate=$BIAS_RATE})
+               [ $run = aux ] && extra=(--model.router=softmax --model.moe_aux_loss_coef=0.01)
+               logged "balance $run" "$out/balance-$run.log" 240 python3 -m holotrain.cli train --config moe-balance \
+                 --job.run_dir=/tmp/moe-balance-$run "${extra[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
+               keep_metrics /tmp/moe-balance-$run balance-$run
+             done ;;
+  esac; done
+  python3 bench/moe_summary.py "$out"
 }
 
 dispatch "$@"

@@ -40,11 +40,12 @@ class Hooks:
     tp_comm        tensor parallelism: its communicator, for levers that fuse into its collectives (FP8)
     experts        expert parallelism: experts(rows, counts, local) runs a mixture-of-experts layer's sorted token
                    copies through the experts held across the group (parallel/ep.py), `local` this rank's share
+    grouped_mm     precision (FP8): grouped_mm(a, b_t, offs), the mixture-of-experts layers' grouped GEMM
     sequence_shards (through shard_sequence): the hidden state between blocks holds 1/this of each sequence's tokens
     """
 
     SLOTS = {"run_block": None, "after_backward": (), "loss": None, "sequence": None, "loss_chunk_tokens": 0,
-             "tp_comm": None, "experts": None}
+             "tp_comm": None, "experts": None, "grouped_mm": None}
 
     def __init__(self):
         for slot, default in self.SLOTS.items():

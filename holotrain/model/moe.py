@@ -68,24 +68,30 @@ class Router(nn.Module):
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                   grouped: bool | None = None) -> torch.Tensor:
+                   grouped: bool | None = None, mm=None) -> torch.Tensor:
     """Rows x [M, D] sorted by expert, counts [E] rows per expert (summing to M), through each expert's SwiGLU
-    w2[e] (silu(w1[e] x) * w3[e] x): [M, D]. `grouped` (None: on CUDA in bf16) runs torch._grouped_mm, three GEMMs
-    over all experts with the row counts' offsets and no host synchronization (bf16 only, as torch.compile traces
-    it); else the reference: a loop over the experts' row blocks (torch.split at the counts, read on the host)."""
+    w2[e] (silu(w1[e] x) * w3[e] x): [M, D]. `grouped` (None: on CUDA in bf16) runs three grouped GEMMs over all
+    experts with the row counts' offsets and no host synchronization: `mm(a, b_t, offs)`, torch._grouped_mm unless
+    a lever gives another (the FP8 lever's scaled grouped GEMM); else the reference: a loop over the experts' row
+    blocks (torch.split at the counts, read on the host)."""
     if grouped is None:
         grouped = x.is_cuda and x.dtype == torch.bfloat16
     # In x's dtype whatever autocast says (it would run the grouped GEMMs in fp32): the weights cast to it.
     with torch.autocast(x.device.type, enabled=False):
         w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
         if grouped:
+            mm = mm or _grouped_mm
             offs = counts.cumsum(0).to(torch.int32)
-            gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-            up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+            gate = mm(x, w1.transpose(-2, -1), offs)
+            up = mm(x, w3.transpose(-2, -1), offs)
+            return mm(F.silu(gate) * up, w2.transpose(-2, -1), offs)
         parts = [F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, b), c)
                  for rows, a, b, c in zip(x.split(counts.tolist()), w1, w3, w2)]
         return torch.cat(parts) if parts else x.new_zeros(0, w2.shape[1])
+
+
+def _grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b_t, offs=offs)
 
 
 def load_balance_loss(scores: torch.Tensor, counts: torch.Tensor, router: str = "softmax") -> torch.Tensor:
@@ -175,8 +181,10 @@ class MoE(nn.Module):
         weights (a DTensor's local shard: the experts of that rank), and sent back."""
         w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
 
+        mm = self.hooks.grouped_mm if self.hooks is not None else None
+
         def local(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-            return grouped_swiglu(rows, counts, w1, w3, w2, self.grouped)
+            return grouped_swiglu(rows, counts, w1, w3, w2, self.grouped, mm)
 
         exchange = self.hooks.experts if self.hooks is not None else None
         return local(rows, counts) if exchange is None else exchange(rows, counts, local)

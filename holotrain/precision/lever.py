@@ -98,11 +98,14 @@ class Precision:
                 raise ConfigError(f"training.fp8 = {self.recipe!r}: {reason}; set training.fp8 = 'none' or 'auto'")
         self.converted: list[str] = []
         self.gathers_fp8 = False  # FSDP2 all-gathers the converted weights in FP8
+        self.experts = ""  # what became of a mixture-of-experts model's expert GEMMs (for describe)
 
     def apply(self, model: torch.nn.Module) -> None:
-        """Swaps the admitted linear layers for FP8 ones (on the meta or real model, in place)."""
+        """Swaps the admitted linear layers for FP8 ones (on the meta or real model, in place); a mixture-of-experts
+        model's expert GEMMs go FP8 through the model's grouped_mm hook."""
         if self.recipe == "none":
             return
+        self._apply_experts(model)
         if self.recipe == "delayed":
             self._apply_delayed(model)
             return
@@ -134,6 +137,30 @@ class Precision:
             # What torchao made of the weights: the FP8 all-gather is theirs to do.
             self.gathers_fp8 = any(isinstance(m.weight, WeightWithDynamicFloat8CastTensor) for m in model.modules()
                                    if hasattr(m, "weight"))
+
+    def _apply_experts(self, model: torch.nn.Module) -> None:
+        """The experts' grouped GEMMs with rowwise dynamic FP8 (torchao's moe_training: each row of the tokens and
+        each column of an expert's weight scaled on its own, in forward and for both gradients), whatever the
+        recipe of the linear layers: per-tensor scales over 128 experts' weights would lose the small ones. On CUDA
+        only (no emulation of it): elsewhere the experts stay in the compute dtype, and describe() says so."""
+        moe = getattr(model, "moe_modules", dict)()
+        if not moe:
+            return
+        self.experts = f"{len(moe)} mixture-of-experts layers' experts in bf16 (FP8 grouped GEMMs need CUDA)"
+        if self.emulate:
+            return
+        try:
+            from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+        except ImportError as e:
+            self.experts = (f"{len(moe)} mixture-of-experts layers' experts in bf16 (FP8 grouped GEMMs need "
+                            f"torchao's moe_training: {e.__class__.__name__})")
+            return
+
+        def fp8_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+            return _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, out_dtype=a.dtype)
+
+        model.hooks.install("grouped_mm", fp8_grouped_mm, "precision")
+        self.experts = f"the experts of {len(moe)} mixture-of-experts layers in FP8 rowwise grouped GEMMs"
 
     def _apply_delayed(self, model: torch.nn.Module) -> None:
         """Holotrain's delayed recipe: linears that read one input (a module's `input_group`, e.g. q, k and v) share
@@ -175,7 +202,8 @@ class Precision:
         if self.recipe == "none":
             return None
         return (f"fp8 {self.recipe} on {len(self.converted)} linear layers" + (" (emulated)" if self.emulate else "")
-                + (", weights all-gathered in FP8" if self.gathers_fp8 else ""))
+                + (", weights all-gathered in FP8" if self.gathers_fp8 else "")
+                + (f"; {self.experts}" if self.experts else ""))
 
 
 class Fp8Matmul:

@@ -1,7 +1,9 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (q/k RMSNorm, head_dim on its own) with a mixture
 of experts in place of the feed-forward: a softmax router over num_experts, the top num_experts_per_tok, their
 weights renormalized (norm_topk_prob), no shared expert. decoder_sparse_step and mlp_only_layers leave some blocks
-dense (intermediate_size wide); the released models have every block MoE."""
+dense (intermediate_size wide); the released models have every block MoE. A model trained from scratch may take
+DeepSeek-V3's sigmoid router instead (model.router = "sigmoid": balancing by a bias, no auxiliary loss); Hugging
+Face's Qwen3-MoE has no such router, so that model does not export."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ def from_hf(config: dict, where: str) -> dict:
 
 
 def to_hf(args: ModelArgs) -> dict:
+    if args.router != "softmax":
+        raise ConfigError(f"model.router = {args.router!r}: Hugging Face's Qwen3-MoE routes by softmax only, so this "
+                          "model cannot be exported as Qwen3MoeForCausalLM")
     return {"attention_bias": args.qkv_bias, "use_sliding_window": False, "sliding_window": None,
             "num_experts": args.n_experts, "num_experts_per_tok": args.n_active_experts,
             "moe_intermediate_size": args.moe_ffn_dim, "norm_topk_prob": args.norm_topk_prob,
@@ -52,6 +57,6 @@ PRESETS = {
 }
 
 FAMILY = Family(name="qwen3_moe", presets=PRESETS, hf_model_types=("qwen3_moe",), hf_architecture="Qwen3MoeForCausalLM",
-                fixed={"qk_norm": True, "mlp_bias": False, "router": "softmax", "shared_ffn_dim": 0},
-                allowed=("qkv_bias", "out_bias", "n_experts"), from_hf=from_hf, to_hf=to_hf, build=build_dense,
-                check=check, hf_experts=("mlp", ("gate_proj", "up_proj", "down_proj")))
+                fixed={"qk_norm": True, "mlp_bias": False, "shared_ffn_dim": 0},
+                allowed=("qkv_bias", "out_bias", "n_experts", "router"), from_hf=from_hf, to_hf=to_hf,
+                build=build_dense, check=check, hf_experts=("mlp", ("gate_proj", "up_proj", "down_proj")))

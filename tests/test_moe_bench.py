@@ -1,0 +1,88 @@
+"""The mixture-of-experts benchmark's pieces on the CPU: Qwen3-MoE with the sigmoid router (built, and refused by
+export in one line), the shipped MoE configs, bench/moe_peer.py at its tiny shape, and bench/moe_summary.py on
+rows written here."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from holotrain.config import ConfigError, load_config, resolve
+from holotrain.model import build, model_args
+from holotrain.model.hf import hf_config_dict
+from holotrain.model.moe import MoE
+from tests.conftest import REPO
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sigmoid_qwen3_moe_builds_and_export_refuses_it():
+    cfg = resolve(load_config(None, ["--model.family=qwen3_moe", "--model.router=sigmoid"]), tokenizer_vocab=512)
+    args = model_args(cfg.model)
+    assert args.router == "sigmoid"
+    with torch.device("meta"):
+        model = build(args)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert len(moes) == args.n_layers and all(m.expert_bias is not None for m in moes)
+    with pytest.raises(ConfigError, match=r"model\.router = 'sigmoid'.*cannot be exported"):
+        hf_config_dict(args)
+    softmax = model_args(resolve(load_config(None, ["--model.family=qwen3_moe"]), tokenizer_vocab=512).model)
+    assert hf_config_dict(softmax)["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
+@pytest.mark.parametrize("name,overrides,layers,router", [
+    ("qwen3-30b-a3b", [], 10, "softmax"),
+    ("moe-balance", [], 12, "sigmoid"),
+    ("moe-balance", ["--model.router=softmax", "--model.moe_aux_loss_coef=0.01"], 12, "softmax"),
+])
+def test_moe_configs_load_and_resolve(name, overrides, layers, router):
+    cfg = resolve(load_config(name, overrides), tokenizer_vocab=32000)
+    args = model_args(cfg.model)
+    assert (args.family, args.n_layers, args.router) == ("qwen3_moe", layers, router)
+    if name == "qwen3-30b-a3b":  # Qwen3-30B-A3B's layer shape
+        assert (args.dim, args.n_heads, args.n_kv_heads, args.head_dim) == (2048, 32, 4, 128)
+        assert (args.n_experts, args.n_active_experts, args.moe_ffn_dim, args.vocab_size) == (128, 8, 768, 151936)
+        assert cfg.training.compile and not args.tie_embeddings
+
+
+def test_moe_peer_runs_its_tiny_shape_on_the_cpu(capsys):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: two threads beside another test's spin-wait for seconds a step
+    try:
+        _bench("moe_peer").main(["--tiny"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("moe_peer: grouped_mm"))
+    assert "tokens/s" in line and "micro 2x2" in line, out
+    row = json.loads(next(x for x in out.splitlines() if x.startswith("{")))
+    assert row["tokens_per_s"] > 0 and row["flops_per_token"] > 0 and row["checkpointing"] == "none"
+
+
+def test_moe_summary_reads_the_parts(tmp_path, capsys):
+    def jsonl(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    jsonl("moe-train.jsonl", [{"step": s, "loss": 9.0, "tokens_per_s": 1000.0 * s, "tflops": 300.0, "mfu": 0.3,
+                               "mem.peak_gb": 120.0} for s in (5, 10, 15)])
+    (tmp_path / "peer-grouped_mm-bf16.log").write_text("")
+    (tmp_path / "peer-grouped_mm-bf16.json").write_text(json.dumps({"rows": [
+        {"experts": "grouped_mm", "precision": "bf16", "tokens_per_s": 5000.0, "tflops": 120.0, "mfu": 0.12,
+         "peak_mem_gb": 60.0, "micro": 4, "accum": 8, "checkpointing": "none"}]}))
+    (tmp_path / "peer-eager-autocast.log").write_text("")  # timed out: no JSON
+    for name, loss, worst in (("sigmoid", 3.00, 1.1), ("aux", 3.03, 1.4)):
+        jsonl(f"balance-{name}.jsonl", [{"step": s, "loss": loss, "moe.load_max_over_mean":
+                                         [1.05, worst if s > 100 else 3.0, None]} for s in range(5, 305, 5)])
+    _bench("moe_summary").main(tmp_path)
+    out = capsys.readouterr().out
+    assert "holotrain: 12,500 tokens/s" in out and "peer eager-autocast: no result" in out
+    assert "holotrain / fastest peer (grouped_mm bf16): 2.50x" in out
+    assert "balance sigmoid: max/mean expert load after step 100: worst 1.100" in out
+    assert "balance aux: max/mean expert load after step 100: worst 1.400" in out
+    assert "sigmoid loss / auxiliary-loss run's: 0.9901" in out
