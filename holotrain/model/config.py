@@ -49,6 +49,9 @@ class ModelConfig(Section):
     dense_layers: list = field(default_factory=list)
     moe_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    # The sigmoid router's balancing rate (DeepSeek-V3's gamma, 1e-3 there): after each optimizer step the trainer
+    # moves each expert's bias by this toward balance, from the step's load over all micro-batches and ranks.
+    router_bias_rate: float = 1e-3
     # A Hugging Face model directory or a holotrain run / checkpoint: the dimensions, weights and tokenizer come
     # from it (model/pretrained.py); a new run starts from its weights with a fresh optimizer. A relative path in a
     # TOML file is relative to the file's folder (as every input path there), on the command line to the current one.
@@ -77,3 +80,5 @@ class ModelConfig(Section):
             # Raises a ConfigError naming the key.
             rope_settings({"rope_scaling": self.rope_scaling}, "model.rope_scaling")
         need(self.norm_eps > 0, f"model.norm_eps must be positive, got {self.norm_eps}")
+        need(self.router_bias_rate >= 0,
+             f"model.router_bias_rate must be >= 0 (0: a fixed bias), got {self.router_bias_rate}")

@@ -23,7 +23,22 @@ def _fmt(row: dict) -> str:
         parts.append(f"mfu {row['mfu'] * 100:.1f}%")
     if row.get("mem.peak_gb") is not None:
         parts.append(f"mem {row['mem.peak_gb']:.1f} GB")
+    if row.get("moe.max_load") is not None:
+        parts.append(f"moe max/mean {row['moe.max_load']:.2f}")
     return "  ".join(parts)
+
+
+def layer_scalars(row: dict) -> dict[str, float]:
+    """A mixture-of-experts row's per-layer lists (moe.load_max_over_mean, moe.<figure>_by_layer, of the blocks in
+    moe.layers) as one scalar per block, under TensorBoard's names: moe/load_max_over_mean/layer_3."""
+    layers = row.get("moe.layers") or []
+    out = {}
+    for key, values in row.items():
+        if key.startswith("moe.") and key not in ("moe.layers", "moe.tokens_per_expert") and isinstance(values, list):
+            name = key.removesuffix("_by_layer").replace(".", "/")
+            out.update({f"{name}/layer_{layer}": v for layer, v in zip(layers, values)
+                        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)})
+    return out
 
 
 class MetricsLogger:
@@ -58,6 +73,8 @@ class MetricsLogger:
             for key, value in clean.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar(key.replace(".", "/"), value, row["step"])
+            for key, value in layer_scalars(clean).items():  # moe.*: one scalar per MoE block
+                self.tb.add_scalar(key, value, row["step"])
             for sample in clean.get("eval.samples") or ():  # TensorBoard's text tab, one entry per prompt
                 self.tb.add_text(f"eval/samples/{sample['prompt'][:40]}", sample["text"], row["step"])
         for sink in self.sinks:

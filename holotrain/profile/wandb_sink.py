@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from holotrain.errors import ConfigError
+from holotrain.profile.metrics import layer_scalars
 
 if TYPE_CHECKING:
     from holotrain.profile.config import ProfileConfig
@@ -70,9 +71,11 @@ def _run_id(run_dir: Path) -> str | None:
 def scalars(row: dict) -> dict[str, float]:
     """A row's numeric scalars under the TensorBoard writer's names (dots become slashes: eval.loss -> eval/loss,
     eval.<source>.loss -> eval/<source>/loss, time.forward -> time/forward); `step` and what is not a finite number
-    (None, lists, strings, booleans) are left out."""
-    return {k.replace(".", "/"): v for k, v in row.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    (None, lists, strings, booleans) are left out, but for a mixture-of-experts model's per-layer lists, one scalar
+    per block (metrics.layer_scalars)."""
+    return {**{k.replace(".", "/"): v for k, v in row.items()
+               if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)},
+            **layer_scalars(row)}
 
 
 class WandbSink:

@@ -49,6 +49,7 @@ from holotrain.train.resolve import (
     with_checkpointing,
 )
 from holotrain.train.evaluation import build as build_evaluator
+from holotrain.train.routing import Routing
 from holotrain.train.step import TrainStep, lr_at
 
 __all__ = ["TrainStep", "build_model", "build_optimizer", "compute_dtype_for", "lr_at", "model_args", "train"]
@@ -292,12 +293,14 @@ def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, 
             f"(micro {micro}, accumulation {accum}), steps {start_step} -> {cfg.training.steps}, run dir {cfg.run_dir}"
         )
     train_step = TrainStep(model, optimizer, cfg, env, dtype, profiler.clock)
+    routing = Routing(model, cfg.model.router_bias_rate, env, dims)  # moe.* and the sigmoid router's bias update
     hardware = build_hardware(cfg.hw, env, cfg.run_dir)
     try:
         hardware.start()
         return _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum, stop,
-                      dims, evaluator)
+                      dims, routing, evaluator)
     finally:
+        routing.close()
         hardware.close()
         if logger is not None:
             logger.close()
@@ -321,7 +324,7 @@ def _global_mean(value: torch.Tensor, env: DistEnv) -> float:
 
 
 def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger, start_step, accum,
-           stop: StopSignals, dims: ParallelDims, evaluator=None) -> list[dict]:
+           stop: StopSignals, dims: ParallelDims, routing: Routing, evaluator=None) -> list[dict]:
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
     args = model_args(cfg)
     # FLOPs for MFU: the linear layers' per token, and attention's from the documents the rows really hold (packed
@@ -369,7 +372,9 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
         profiler.add("data_wait", waited)
         goodput.data_wait_s += waited
         t_step = time.perf_counter()
+        routing.begin_step()
         loss, grad_norm = train_step(micro_batches.__getitem__, accum, lr)
+        routing.end_step()  # the sigmoid router's bias update
         if step == start_step:
             # The first step compiles and warms up: timed on its own (one synchronization) for the goodput account.
             if cuda:
@@ -427,6 +432,7 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
                 "tokens": done * tokens_per_step,
                 **data.metrics(interval_steps),  # data.*
                 **pipeline_bubble(train_step.model, cfg.run_dir, done),  # pp.* (parallel.pp > 1)
+                **routing.metrics(),  # moe.* (a mixture-of-experts model; collective)
                 "train.nonfinite_steps": skipped_total,
                 **(scores or {}),
             }

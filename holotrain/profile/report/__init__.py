@@ -8,7 +8,7 @@ Every field may be null, NaN or missing: a chart without data becomes a one-line
 
 Layout: `data` reads the run directory and derives per-step figures, `charts` draws the SVG charts, `markup`
 holds the HTML pieces (formatting, tables, style sheet), `hardware` and `sinks` build the clock/power/energy and
-"where the time goes" sections; `write_report` here puts the page together.
+"where the time goes" sections, `moe` the mixture-of-experts routing one; `write_report` here puts the page together.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from holotrain.profile.report.data import (
     _weighted_mean,
 )
 from holotrain.profile.report.hardware import _hw_section, _probe_table
+from holotrain.profile.report.moe import moe_section
 from holotrain.profile.report.pipeline import pipeline_section
 from holotrain.profile.report.plan import plan_section
 from holotrain.profile.report.markup import CSS, SCRIPT, _figs, _fmt, _note, _pct, _section, _table, esc
@@ -172,6 +173,9 @@ def write_report(run_dir) -> Path:
     pipeline = pipeline_section(run_dir)
     if pipeline is not None:
         parts.append(_section("Pipeline schedule and bubble", pipeline, "pipeline"))
+    routing = moe_section(rows)  # a mixture-of-experts model's moe.* fields
+    if routing is not None:
+        parts.append(_section("Mixture of experts: routing", routing, "moe"))
 
     # -- phases
     phase_keys = _phase_keys(rows)

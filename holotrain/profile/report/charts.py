@@ -281,3 +281,60 @@ def _hbars(items: list[tuple[str, float]], *, chart_id: str, title: str, x_label
     out.append(f'<text x="{left + pw / 2:.0f}" y="{top + ph + 34}" text-anchor="middle" class="axis">'
                f"{esc(x_label)}</text>")
     return _svg(chart_id, title, width, height, "".join(out))
+
+
+def _shade(value: float, high: float) -> str:
+    """A diverging colour around 1 (white): toward blue down to 0, toward red up to `high`."""
+    if value >= 1:
+        t, (r, g, b) = min(1.0, (value - 1) / max(high - 1, 1e-9)), (214, 39, 40)
+    else:
+        t, (r, g, b) = min(1.0, 1 - max(value, 0.0)), (31, 119, 180)
+    return "#%02x%02x%02x" % tuple(round(255 + (c - 255) * t) for c in (r, g, b))
+
+
+def _heatmap(values: list[list[float | None]], row_labels: list[str], col_labels: list[str], *, chart_id: str,
+             title: str, x_label: str, y_label: str, unit: str = "", width: int = 2 * W + 16) -> str:
+    """A grid of cells, rows x columns of `values` (ratios to a reference: 1 is white, below it blue down to 0, above
+    it red up to the largest value, at least 2), with a colour bar; each cell's value in its tooltip."""
+    cells = [[_num(v) for v in row] for row in values]
+    finite = [v for row in cells for v in row if v is not None]
+    if not finite or not col_labels:
+        return ""
+    high = max(2.0, max(finite))
+    n_rows, n_cols = len(cells), len(col_labels)
+    left, top, right, bottom = 64, 34, 90, 44
+    pw = width - left - right
+    cell_w, cell_h = pw / n_cols, max(6.0, min(36.0, 360 / n_rows))
+    ph = cell_h * n_rows
+    bar_h = min(160.0, max(ph, 72.0))  # the colour bar, beside the grid
+    height = top + max(ph, bar_h) + bottom
+    out = []
+    for i, row in enumerate(cells):
+        for j, v in enumerate(row):
+            if v is None:
+                continue
+            out.append(f'<rect class="mark" x="{left + j * cell_w:.1f}" y="{top + i * cell_h:.1f}" '
+                       f'width="{cell_w:.1f}" height="{cell_h:.1f}" fill="{_shade(v, high)}">'
+                       f'<title>{esc(row_labels[i])}, {esc(x_label)} {esc(col_labels[j])}: {esc(_fmt(v))}{esc(unit)}</title></rect>')
+    out.append(f'<rect x="{left}" y="{top}" width="{pw:.1f}" height="{ph:.1f}" fill="none" stroke="#888"/>')
+    every_row, every_col = max(1, math.ceil(n_rows * 12 / ph)), max(1, math.ceil(n_cols / 32))
+    for i in range(0, n_rows, every_row):
+        out.append(f'<text x="{left - 6}" y="{top + (i + 0.5) * cell_h + 4:.1f}" text-anchor="end">'
+                   f'{esc(row_labels[i])}</text>')
+    for j in range(0, n_cols, every_col):
+        out.append(f'<text x="{left + (j + 0.5) * cell_w:.1f}" y="{top + ph + 16:.1f}" text-anchor="middle">'
+                   f'{esc(col_labels[j])}</text>')
+    out.append(f'<text x="{left + pw / 2:.0f}" y="{top + ph + 34:.1f}" text-anchor="middle" class="axis">'
+               f"{esc(x_label)}</text>"
+               f'<text transform="translate(14,{top + ph / 2:.0f}) rotate(-90)" text-anchor="middle" class="axis">'
+               f"{esc(y_label)}</text>")
+    # The colour bar: 0 at the bottom, 1 (white) at its middle mark, `high` at the top.
+    bar_x, steps = left + pw + 16, 20
+    for k in range(steps):
+        v = (k + 0.5) / steps * high
+        out.append(f'<rect x="{bar_x}" y="{top + bar_h - (k + 1) * bar_h / steps:.1f}" width="14" '
+                   f'height="{bar_h / steps + 0.5:.1f}" fill="{_shade(v, high)}"/>')
+    for v in (0.0, 1.0, high):
+        out.append(f'<text x="{bar_x + 18}" y="{top + bar_h - v / high * bar_h + 4:.1f}" class="small">'
+                   f'{esc(_fmt(v))}{esc(unit)}</text>')
+    return _svg(chart_id, title, width, height, "".join(out))

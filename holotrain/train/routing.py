@@ -1,0 +1,145 @@
+"""A mixture-of-experts model's routing, made visible, and the sigmoid router's balancing step (DeepSeek-V3's
+auxiliary-loss-free bias update), for the training loop.
+
+Each MoE block keeps its last forward's load, balance and z-loss values and routing entropy (model/moe.py). Here
+they are taken, on the device, as each micro-batch's forward returns (a forward hook on each of this rank's stages:
+under pipeline parallelism the schedule runs the micro-batches itself), added up after the step, then summed over the
+ranks that hold the same blocks and route other tokens (data and context parallel): one collective, at every step
+for the sigmoid router (its bias update needs the whole step's load, the same on every rank, so that the bias
+buffers stay identical), else at logged steps only. A logged step gathers the pipeline stages' blocks and reads the table to the host once: the
+row's moe.* fields (`metrics`). The load is in token copies: each token counts once for each of its k experts."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from holotrain.parallel import DistEnv
+from holotrain.parallel.dims import ParallelDims
+
+# Columns after the E loads: the sums over forwards of the entropy, balance loss and z-loss, and the forwards counted.
+ENTROPY, BALANCE, Z, FORWARDS = range(4)
+
+
+class Routing:
+    """The moe.* fields and the bias update of a model with MoE blocks; does nothing for a dense one."""
+
+    def __init__(self, model: torch.nn.Module, rate: float, env: DistEnv, dims: ParallelDims):
+        args = model.args
+        self.rate, self.biased = rate, args.router == "sigmoid"
+        self.layers = [i for i in range(args.n_layers) if args.moe_layer(i)]  # every MoE block, on any stage
+        self.n_experts = args.n_experts
+        # One row per MoE block of the whole model: loads [E], then the ENTROPY.. FORWARDS columns. This rank fills
+        # its stages' rows only.
+        self.sums = torch.zeros(len(self.layers), self.n_experts + 4, dtype=torch.float64, device=env.device)
+        self.held: list[tuple[int, torch.nn.Module]] = []  # (row, MoE module) of this rank's stages
+        self._handles = []
+        self.taken: list[tuple[int, int, list[torch.Tensor]]] = []  # per stage: its rows lo..hi, this step's forwards'
+        row_of = {layer: row for row, layer in enumerate(self.layers)}
+        for stage in getattr(model, "stages", None) or [model]:
+            moes = sorted(stage.moe_modules().items(), key=lambda kv: int(kv[0])) if self.layers else []
+            if not moes:
+                continue
+            rows = [row_of[int(key)] for key, _ in moes]  # consecutive: a stage holds a range of blocks
+            self.held += list(zip(rows, (m for _, m in moes)))
+            self.taken.append((rows[0], rows[-1] + 1, []))
+            self._handles.append(stage.register_forward_hook(
+                functools.partial(self._take, self.taken[-1][2], [m for _, m in moes])))
+        # A pipeline's first step runs each stage once more, first, to infer its shapes (torch.distributed.pipelining's
+        # metadata inference, on empty tensors past the first stage): only a step's last n_microbatches count.
+        self.micro_batches = getattr(getattr(model, "pipeline", None), "n_microbatches", None)
+        self.collecting = False  # only the training step's forwards count (evals run the same forward)
+        self.reduced = False
+        self.world = env.world_size
+        self.group = _replica_group(dims, env) if self.layers else None
+        pp_mesh = getattr(model, "pp_mesh", None)  # parallel/pp.py's PipelineModel: the stages' ranks
+        self.pp_group = pp_mesh.get_group() if pp_mesh is not None and self.layers else None
+
+    def begin_step(self) -> None:
+        if self.layers:
+            self.collecting, self.reduced = True, False
+
+    def end_step(self) -> None:
+        """After the optimizer step: the step's figures added up, and the sigmoid router's bias += rate *
+        sign(mean - load) per block, over the load of the step's micro-batches and ranks."""
+        self.collecting = False
+        for lo, hi, forwards in self.taken:
+            kept = forwards[-self.micro_batches:] if self.micro_batches else forwards
+            self.sums[lo:hi] = torch.stack(kept).sum(0) if kept else 0.0
+            forwards.clear()
+        if self.biased and self.rate > 0 and self.held:
+            self._reduce()
+            for row, moe in self.held:
+                moe.update_bias(self.rate, self.sums[row, :self.n_experts])
+
+    def metrics(self) -> dict:
+        """Collective (every rank, at a logged step): the logged step's moe.* fields, {} for a dense model."""
+        if not self.layers:
+            return {}
+        self._reduce()
+        E = self.n_experts
+        table = self.sums.clone()
+        table[:, E:E + 3] /= table[:, E + FORWARDS:].clamp(min=1)  # sums over forwards and ranks -> means
+        for row, moe in self.held:  # the bias's spread, in the forwards column (read no more)
+            table[row, E + FORWARDS] = moe.expert_bias.abs().max() if moe.expert_bias is not None else 0.0
+        if self.pp_group is not None:
+            dist.all_reduce(table, group=self.pp_group)  # each block's row is filled on one pipeline rank
+        values = table.tolist()  # the one host synchronization
+        loads = [v[:E] for v in values]
+        ratios = [max(load) / (sum(load) / E) if sum(load) else None for load in loads]
+        entropy, balance, z = ([v[E + c] for v in values] for c in (ENTROPY, BALANCE, Z))
+        row = {
+            "moe.max_load": max((r for r in ratios if r is not None), default=None),  # the worst block's max / mean
+            "moe.router_entropy": _mean(entropy),
+            "moe.balance_loss": _mean(balance),
+            "moe.z_loss": _mean(z),
+            "moe.layers": self.layers,  # the blocks the per-layer lists below are of
+            "moe.load_max_over_mean": ratios,
+            "moe.router_entropy_by_layer": entropy,
+            "moe.balance_loss_by_layer": balance,
+            "moe.z_loss_by_layer": z,
+            "moe.tokens_per_expert": [[int(n) for n in load] for load in loads],
+        }
+        if self.biased:
+            spread = [v[E + FORWARDS] for v in values]
+            row.update({"moe.expert_bias_max_abs": max(spread), "moe.expert_bias_max_abs_by_layer": spread})
+        return row
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _take(self, forwards: list, moes: list, module, inputs, output) -> None:
+        """A stage's forward hook: its blocks' figures of this micro-batch [blocks, E + 4], kept on the device."""
+        if not self.collecting:
+            return
+        loads = torch.stack([m.last_load for m in moes]).double()
+        if moes[0].last_aux is None:  # recorded in grad mode only, as training's forwards run
+            figures = loads.new_zeros(len(moes), 3)
+        else:
+            figures = torch.cat([torch.stack([m.last_entropy for m in moes])[:, None],
+                                 torch.stack([m.last_aux for m in moes])], 1).double()
+        forwards.append(torch.cat([loads, figures, loads.new_ones(len(moes), 1)], 1))
+
+    def _reduce(self) -> None:
+        """The step's sums over the ranks that hold the same blocks (once a step)."""
+        if not self.reduced and self.world > 1:
+            dist.all_reduce(self.sums, group=self.group)
+        self.reduced = True
+
+
+def _replica_group(dims: ParallelDims, env: DistEnv):
+    """The ranks holding the same blocks as this one and routing other tokens: all of them (None: the default group)
+    without pipeline parallelism, else those of this rank's pipeline index. new_group is collective: every rank makes
+    every pipeline index's group."""
+    if env.world_size == 1 or dims.pp == 1:
+        return None
+    groups = [dist.new_group([r for r in range(dims.world) if dims.pp_index(r) == i]) for i in range(dims.pp)]
+    return groups[dims.pp_index(env.rank)]
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,127 @@
+"""Routing made visible (holotrain/train/routing.py): a tiny mixture-of-experts model trained through the real
+trainer writes the moe.* fields (metrics.jsonl, TensorBoard) and the report's heat map; the sigmoid router's bias
+moves by the update computed by hand from the logged loads (summed over the step's micro-batches) and survives a
+resume. Plus the bookkeeping itself on a model in this process: only the training step's forwards count."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from holotrain.config import load_config
+from holotrain.model import ModelArgs, build
+from holotrain.parallel import DistEnv
+from holotrain.parallel.dims import ParallelDims
+from holotrain.train.checkpoint import SafeFileSystemReader
+from holotrain.train.routing import Routing
+from tests.conftest import read_metrics, tiny_args
+
+E, K, RATE = 4, 2, 0.01
+MOE = {"model.family": "qwen3_moe", "model.n_experts": E, "model.n_active_experts": K, "model.moe_ffn_dim": 32,
+       "model.head_dim": 16}
+
+
+def _train(run_dir, steps: int, **extra):
+    from holotrain.train import train
+
+    # batch 8 in micro-batches of 4: two forwards a step, whose loads the step sums
+    return train(load_config(None, tiny_args(run_dir, **{
+        **MOE, "model.router": "sigmoid", "model.router_bias_rate": RATE, "training.steps": steps,
+        "training.micro_batch_size": 4, "checkpoint.every": 2, **extra})))
+
+
+def _bias_by_hand(rows) -> torch.Tensor:
+    """bias += rate * sign(mean - load) after every step, from each step's logged load (as MoE.update_bias does)."""
+    bias = torch.zeros(len(rows[0]["moe.layers"]), E)
+    for row in rows:
+        for layer, load in enumerate(torch.tensor(row["moe.tokens_per_expert"], dtype=torch.float64).float()):
+            bias[layer] += RATE * torch.sign(load.mean() - load)
+    return bias
+
+
+def _saved_bias(checkpoint, layers) -> torch.Tensor:
+    state = {"model": {f"layers.{i}.feed_forward.expert_bias": torch.full((E,), math.nan) for i in layers}}
+    dcp.load(state, checkpoint_id=checkpoint, storage_reader=SafeFileSystemReader(checkpoint))
+    return torch.stack([state["model"][f"layers.{i}.feed_forward.expert_bias"] for i in layers])
+
+
+@pytest.fixture(scope="module")
+def sigmoid_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("moe-routing")
+    _train(run_dir, 4, **{"profile.tensorboard": True})
+    return run_dir
+
+
+def test_rows_carry_the_routing_of_each_step(sigmoid_run):
+    rows = read_metrics(sigmoid_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    tokens = 8 * 32 * K  # the step's whole batch (both micro-batches, not an eval's) as token copies
+    for row in rows:
+        assert row["moe.layers"] == [0, 1]
+        loads = row["moe.tokens_per_expert"]
+        assert [sum(load) for load in loads] == [tokens, tokens], row["step"]
+        ratios = [max(load) / (tokens / E) for load in loads]
+        assert row["moe.load_max_over_mean"] == pytest.approx(ratios)
+        assert row["moe.max_load"] == pytest.approx(max(ratios))
+        assert all(0 < h <= math.log(E) + 1e-6 for h in row["moe.router_entropy_by_layer"])
+        assert row["moe.router_entropy"] == pytest.approx(sum(row["moe.router_entropy_by_layer"]) / 2)
+        assert all(b > 0.9 for b in row["moe.balance_loss_by_layer"]) and row["moe.z_loss"] > 0
+    # |bias| grows by at most the rate a step
+    assert 0 < rows[-1]["moe.expert_bias_max_abs"] <= 4 * RATE + 1e-6
+
+
+def test_sigmoid_bias_is_the_update_of_the_summed_loads_and_survives_resume(sigmoid_run):
+    rows = read_metrics(sigmoid_run)
+    saved = _saved_bias(sigmoid_run / "checkpoints" / "step-4", [0, 1])
+    assert torch.equal(saved, _bias_by_hand(rows))
+    assert saved.abs().max().item() == pytest.approx(rows[-1]["moe.expert_bias_max_abs"])
+    # Resumed from step 4's checkpoint: the bias goes on from the saved one (from zero it would differ).
+    _train(sigmoid_run, 5)
+    rows = read_metrics(sigmoid_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert torch.equal(_saved_bias(sigmoid_run / "checkpoints" / "step-5", [0, 1]), _bias_by_hand(rows))
+
+
+def test_report_and_tensorboard_show_the_routing(sigmoid_run):
+    page = (sigmoid_run / "report.html").read_text()
+    assert '<section id="moe">' in page
+    assert 'id="chart-moe-load"' in page and 'id="chart-moe-max-load"' in page
+    heat = page.split('id="chart-moe-load"')[1].split("</svg>")[0]
+    assert heat.count('<rect class="mark"') == 2 * E  # a cell per block and expert
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(sigmoid_run / "tb")).Reload().Tags()["scalars"]
+    for tag in ("moe/max_load", "moe/balance_loss", "moe/load_max_over_mean/layer_0", "moe/router_entropy/layer_1",
+                "moe/balance_loss/layer_0", "moe/expert_bias_max_abs/layer_1"):
+        assert tag in tags, tags
+
+
+def test_only_the_training_steps_forwards_count():
+    """Two micro-batches' loads are summed; an eval's forward (in grad mode too) between steps is not; a softmax
+    router logs no bias; a dense model gives no fields."""
+    from holotrain.model.registry import fix_switches, preset
+
+    args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_layers=2, n_heads=2,
+                               n_kv_heads=1, head_dim=16, ffn_dim=32, moe_ffn_dim=16, n_experts=E, vocab_size=64,
+                               max_seq_len=16, n_active_experts=K)
+    fix_switches("qwen3_moe", args)
+    torch.manual_seed(0)
+    model = build(args)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    routing = Routing(model, RATE, env, ParallelDims(world=1))
+    batches = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    routing.begin_step()
+    expected = 0
+    for tokens in batches[:2]:
+        model(tokens, tokens).backward()
+        expected = expected + model.expert_load()
+    routing.end_step()
+    model(batches[2], batches[2])  # an eval's forward
+    row = routing.metrics()
+    assert row["moe.tokens_per_expert"] == expected.tolist()
+    assert "moe.expert_bias_max_abs" not in row
+    routing.close()
+    dense = build(dataclasses.replace(args, n_experts=0, n_active_experts=0, moe_ffn_dim=0))
+    assert Routing(dense, RATE, env, ParallelDims(world=1)).metrics() == {}
