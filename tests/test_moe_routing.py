@@ -125,3 +125,21 @@ def test_only_the_training_steps_forwards_count():
     routing.close()
     dense = build(dataclasses.replace(args, n_experts=0, n_active_experts=0, moe_ffn_dim=0))
     assert Routing(dense, RATE, env, ParallelDims(world=1)).metrics() == {}
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_run_equals_one_process(sigmoid_run, tmp_path):
+    """`holotrain train` under torchrun with parallel.ep = 2 (the config, the lever, the trainer, the routing
+    metrics and the bias update together): the same losses, loads and saved bias as the one-process run."""
+    from tests.test_distributed import torchrun
+
+    args = {**MOE, "model.router": "sigmoid", "model.router_bias_rate": RATE, "training.steps": 4,
+            "training.micro_batch_size": 4, "checkpoint.every": 2, "profile.tensorboard": True}
+    out = torchrun(2, "train", *tiny_args(tmp_path, **args), "--parallel.ep=2")
+    assert "world size 2" in out, out
+    one, two = read_metrics(sigmoid_run), read_metrics(tmp_path)
+    assert [r["step"] for r in two] == [1, 2, 3, 4]
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a["step"], a["loss"], b["loss"])
+        assert b["moe.tokens_per_expert"] == a["moe.tokens_per_expert"]
+    assert torch.equal(_saved_bias(tmp_path / "checkpoints" / "step-4", [0, 1]), _bias_by_hand(one))
