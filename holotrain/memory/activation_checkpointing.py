@@ -90,9 +90,11 @@ def pointwise_kept_share(dim: int, q_dim: int, kv_dim: int, ffn_dim: int) -> flo
 
 @functools.cache
 def _kept_ops() -> frozenset:
-    """The ops whose outputs "pointwise" keeps: the matmuls (FP8's scaled ones too) and every attention kernel."""
+    """The ops whose outputs "pointwise" keeps: the matmuls (FP8's scaled ones and the experts' grouped ones too) and
+    every attention kernel."""
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+    names = ("mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
+             "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_flash_attention_for_cpu")
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}

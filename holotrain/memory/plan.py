@@ -29,7 +29,9 @@ from torch import nn
 
 from holotrain.errors import ConfigError
 from holotrain.memory.activation_checkpointing import checkpointed_blocks, pointwise_blocks, pointwise_kept_share
-from holotrain.model.costs import block_saved_values
+from holotrain.model.costs import (block_backward_bytes, block_saved_values, expert_params, moe_pointwise_bytes,
+                                   moe_saved_bytes)
+from holotrain.parallel.cost import EP_IMBALANCE
 from holotrain.model.registry import model_args
 from holotrain.precision.lever import FP8_ACTIVATIONS
 
@@ -249,6 +251,19 @@ def cp_mode(cfg) -> str:
     return "alltoall" if (m.n_heads // tp) % cp == 0 and (m.n_kv_heads // tp) % cp == 0 else "ring"
 
 
+def ep_size(cfg) -> int:
+    """parallel.ep: the ranks each mixture-of-experts layer's experts are split over (1: none, or no such key)."""
+    return max(1, int(getattr(cfg.parallel, "ep", 1) or 1))
+
+
+def grouped_gemms_kept(cuda: bool) -> bool:
+    """Whether "pointwise" keeps the experts' GEMM outputs: the CPU's reference loop runs plain matmuls (kept); a GPU's
+    torch._grouped_mm is kept where activation_checkpointing.py lists it, else the experts run again in backward."""
+    from holotrain.memory.activation_checkpointing import _kept_ops
+    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    return not cuda or (op is not None and op.default in _kept_ops())
+
+
 def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_probs: bool = False) -> Activations:
     """Estimate of one micro-batch's activations on one rank. A block keeps the values per token its family's
     description counts (model/costs.py block_saved_values: 7*dim + 2*ffn for a Llama of equal heads; SAVED_BYTES with
@@ -259,7 +274,8 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     its attention's probabilities, heads x seq_len values per token, and the micro-batch its dense [B, T, T] document
     mask (the default job's host RSS on 2 cores: within 0.07 GB at six settings); on a GPU the document mask is
     flex_attention's block-sparse one. Under context parallelism (parallel.cp = N) a rank holds T / N tokens of each
-    sequence, and its attention has the buffers of its mode in flight."""
+    sequence, and its attention has the buffers of its mode in flight. A mixture of experts keeps model/costs.py's
+    moe_saved_bytes (counted exactly: no SAVED_BYTES; no FP8), its experts' rows x EP_IMBALANCE under parallel.ep."""
     m, compiled = cfg.model, cfg.training.compile
     seq, cp = cfg.data.seq_len, cp_size(cfg)
     tokens = micro * seq / cp  # this rank's
@@ -267,6 +283,10 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     head_dim = args.head_dim
     ac, blocks = cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks
     per_block = tokens * elem_bytes * block_saved_values(args) * SAVED_BYTES
+    imbalance = EP_IMBALANCE if ep_size(cfg) > 1 else 1.0
+    moe = tokens * moe_saved_bytes(args, elem_bytes, compiled, imbalance)
+    moe_lean = tokens * moe_pointwise_bytes(args, elem_bytes, grouped_gemms_kept(not attention_probs))
+    ffn = m.ffn_dim * (1 - args.moe_layers / m.n_layers)  # the dense feed-forwards' width, over all blocks
     lse = tokens * m.n_heads * LSE_BYTES
     probs = tokens * elem_bytes * m.n_heads * seq if attention_probs else 0.0
     recomputed_at = set(checkpointed_blocks(ac, m.n_layers, blocks))
@@ -280,17 +300,17 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     # FP8 linears keep their inputs cast; a "pointwise" block recomputes those casts, and the matmuls' outputs it
     # keeps are in the compute dtype: the 14B's peak, FP8 with "pointwise" and with selective, decided it.
     fp8 = FP8_ACTIVATIONS if fp8_on else 1.0
-    lean_share = pointwise_kept_share(m.dim, args.q_dim, args.kv_dim, m.ffn_dim)
+    lean_share = pointwise_kept_share(m.dim, args.q_dim, args.kv_dim, ffn)
     cast = 0 if fp8_on or elem_bytes == 4 else WEIGHT_CAST_BYTES * block_weights / m.n_layers  # one block's
     # The delayed recipe also keeps forward's FP8 transposes for backward: of each distinct linear input (the
     # attention's and the FFN's inputs, the attention output, the SwiGLU product) and of each weight, one byte a
     # value (the 1.4b at micro-batch 8: 5.86 GB of 42.3 measured).
     if cfg.training.fp8 == "delayed":
-        cast = tokens * (2 * m.dim + args.q_dim + m.ffn_dim) + block_weights / m.n_layers
+        cast = tokens * (2 * m.dim + args.q_dim + ffn) + block_weights / m.n_layers
 
     def kept(n_plain: int, n_lean: int) -> float:
-        return (n_plain * ((per_block + probs) * fp8 + lse) + n_lean * (per_block * lean_share + probs + lse)
-                + (n_plain + n_lean) * cast)
+        return (n_plain * ((per_block + probs) * fp8 + moe + lse)
+                + n_lean * (per_block * lean_share + moe_lean + probs + lse) + (n_plain + n_lean) * cast)
 
     offloaded = kept(plain_off, 0)
     saved = kept(plain, lean) - offloaded + recomputed * tokens * elem_bytes * m.dim
@@ -309,8 +329,8 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
         loss = tokens * m.vocab_size * (LOSS_BYTES if compiled and elem_bytes == 2 else EAGER_LOSS_BYTES)
     # In backward, once the loss's tensors are freed: the gradients a block's backward makes besides what it keeps
     # (of its output, and the FFN's gate and up), on top of one recomputed block when blocks are checkpointed.
-    recompute = ((per_block + probs) * fp8 + lse) if recomputed else 0.0
-    recompute += tokens * elem_bytes * (m.dim + 2 * m.ffn_dim) + cp_buffers(cfg, micro, elem_bytes)
+    recompute = ((per_block + probs) * fp8 + moe + lse) if recomputed else 0.0
+    recompute += tokens * block_backward_bytes(args, elem_bytes, imbalance) + cp_buffers(cfg, micro, elem_bytes)
     return Activations(saved, loss, recompute, offloaded, held)
 
 
@@ -383,7 +403,10 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
     n_total = sum(p.numel() for u in units for _, p in u.params)
     n_cpu = sum(p.numel() for u in units if u.name in cpu_units for _, p in u.params if offloadable(p))
     n_dev = n_total - n_cpu
-    biggest = max((sum(p.numel() for _, p in u.params) for u in units), default=0)
+    # The largest unit FSDP2 gathers (under expert parallelism, of a block's experts this rank's share only).
+    experts = {u.name: expert_params(model_args(cfg.model), int(u.name[7:])) for u in units if u.name[:7] == "layers."}
+    biggest = max((sum(p.numel() for _, p in u.params) - (1 - 1 / ep_size(cfg)) * experts.get(u.name, 0)
+                   for u in units), default=0)
     cuda = device.type == "cuda"
     bf16 = cfg.training.dtype == "bf16" or (cfg.training.dtype == "auto" and cuda)
     elem = 2 if bf16 else 4

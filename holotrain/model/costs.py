@@ -88,19 +88,78 @@ def block_saved_values(args: ModelArgs) -> int:
     """Values per token one block keeps for backward (no recomputation), the memory plan's unit: the two norms'
     inputs and the residual (3 x dim), q, k, v and the attention's output (2 q_dim + 2 kv_dim, plus q and k once more
     when they are normalized per head), the gate and up projections (2 x ffn_dim). A Llama of equal kv and query
-    heads keeps 7 dim + 2 ffn_dim. A mixture of experts keeps instead the router's probabilities (n_experts), the
-    token's k sorted copies (k x dim), their gate and up (2 k x moe_ffn_dim) and outputs (k x dim, for the routing
-    weights' gradient), and the shared experts' gate and up (2 x shared_ffn_dim)."""
+    heads keeps 7 dim + 2 ffn_dim. A mixture-of-experts block counts its attention part here and its feed-forward,
+    whose tensors are of several dtypes, in bytes (moe_saved_bytes). The blocks' mean."""
     attention = 2 * args.q_dim + 2 * args.kv_dim + (args.q_dim + args.kv_dim) * args.qk_norm
+    return _mean_over_blocks(args, lambda i: 3 * args.dim + attention + (0 if args.moe_layer(i) else 2 * args.ffn_dim))
 
-    def saved(layer: int) -> int:
-        if not args.moe_layer(layer):
-            return 3 * args.dim + attention + 2 * args.ffn_dim
-        k = args.n_active_experts
-        moe = args.n_experts + 2 * k * args.dim + 2 * k * args.moe_ffn_dim + 2 * args.shared_ffn_dim
-        return 3 * args.dim + attention + moe
 
-    return _mean_over_blocks(args, saved)
+def _moe_mean(args: ModelArgs, per_moe_block: float) -> float:
+    """A mixture-of-experts block's figure as the mean over all blocks (dense ones count 0)."""
+    return per_moe_block * args.moe_layers / max(1, args.n_layers)
+
+
+def moe_saved_bytes(args: ModelArgs, elem_bytes: int, compiled: bool = False, imbalance: float = 1.0) -> float:
+    """Bytes per token a mixture-of-experts feed-forward keeps for backward (model/moe.py's forward; the mean over the
+    blocks, dense ones 0; block_saved_values counts the rest of the block). With k = n_active_experts, E = n_experts,
+    e = elem_bytes, as tests/test_plan_moe.py measures them with saved_tensors_hooks, eager and compiled (inductor):
+      the router's input (dim x e), its fp32 scores (4 E: the softmax's or sigmoid's output) and the top-k's expert
+      indices (8 k); with norm_topk_prob the fp32 weights before the division (4 k), eager also their sum (4);
+      permute's row index (8 k) and the sorted copies the experts' GEMMs read (k x dim x e);
+      per copy the experts' gate, silu(gate), up and product (4 x moe_ffn_dim x e; compiled 3: silu recomputed);
+      unpermute's index (8 k), the experts' outputs (k x dim x e, index_copy's source) and, eager, the copies in token
+      order and the k weights in e (k x dim x e + k x e) for the weighted sum (compiled recomputes them);
+      the shared experts' SwiGLU (4, compiled 3, x shared_ffn_dim x e);
+      with the auxiliary losses in the gradient (either coefficient > 0) the z-loss's fp32 copy of the logits and
+      their logsumexp (4 E + 4), and a sigmoid router's per-token score sums (4).
+    `imbalance` (expert parallelism): the busiest rank's token copies over the mean; its experts' rows scale by it."""
+    if not args.moe_layers:
+        return 0.0
+    k, E, D, e, n_f = args.n_active_experts, args.n_experts, args.dim, elem_bytes, 3 if compiled else 4
+    router = D * e + 4 * E + 16 * k + (4 * k + 4 * (not compiled)) * args.norm_topk_prob
+    experts = k * imbalance * (D + n_f * args.moe_ffn_dim) * e
+    unpermute = 8 * k + k * D * e + (0 if compiled else k * D * e + k * e)
+    weighted = args.moe_aux_loss_coef > 0 or args.router_z_loss_coef > 0  # both losses' graphs kept (MoE.record)
+    extra = n_f * args.shared_ffn_dim * e + (4 * E + 4 + 4 * (args.router == "sigmoid")) * weighted
+    return _moe_mean(args, router + experts + unpermute + extra)
+
+
+def moe_pointwise_bytes(args: ModelArgs, elem_bytes: int, grouped_kept: bool = True) -> float:
+    """Bytes per token a mixture-of-experts feed-forward keeps where only the matmuls' outputs are kept (memory's
+    "pointwise" checkpointing; the blocks' mean): the router's logits (E), the experts' gate, up and down outputs
+    (k x (2 moe_ffn_dim + dim)) when the grouped GEMMs are among the kept ops, the shared experts' (2 x shared_ffn_dim
+    + dim)."""
+    if not args.moe_layers:
+        return 0.0
+    k, S = args.n_active_experts, args.shared_ffn_dim
+    experts = k * (2 * args.moe_ffn_dim + args.dim) if grouped_kept else 0
+    return _moe_mean(args, (args.n_experts + experts + (2 * S + args.dim if S else 0)) * elem_bytes)
+
+
+def block_backward_bytes(args: ModelArgs, elem_bytes: int, imbalance: float = 1.0) -> float:
+    """Bytes per token a block's backward makes beside what it keeps, for the largest block: the gradient of its
+    output and of the FFN's gate and up (dim + 2 ffn_dim); a mixture of experts: of its output, of the copies in token
+    order and their outputs (2 k dim), of the copies' rows, gate and up (k (dim + 2 moe_ffn_dim), x `imbalance`
+    under expert parallelism), of the shared experts' gate and up and the fp32 scores' and logits' (8 E)."""
+    dense = (args.dim + 2 * args.ffn_dim) * elem_bytes if args.moe_layers < args.n_layers else 0
+    if not args.moe_layers:
+        return dense
+    k, D = args.n_active_experts, args.dim
+    moe = (D + 2 * k * D + k * imbalance * (D + 2 * args.moe_ffn_dim) + 2 * args.shared_ffn_dim) * elem_bytes
+    return max(dense, moe + 8 * args.n_experts)
+
+
+def expert_params(args: ModelArgs, layer: int | None = None) -> int:
+    """The routed experts' weights (w1, w3, w2 of every expert: 3 x n_experts x dim x moe_ffn_dim a MoE block) of
+    block `layer`, or of the whole model: what expert parallelism splits over its ranks."""
+    one = 3 * args.n_experts * args.dim * args.moe_ffn_dim
+    return (one if args.moe_layer(layer) else 0) if layer is not None else one * args.moe_layers
+
+
+def expert_flops_per_token(args: ModelArgs) -> int:
+    """The part of flops_per_token that runs as the routed experts' grouped GEMMs: 6 FLOPs per weight of the k experts
+    a token goes through, in every MoE block (the router and shared experts are plain GEMMs)."""
+    return 6 * 3 * args.dim * args.moe_ffn_dim * args.n_active_experts * args.moe_layers
 
 
 def attention_pairs(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | int:

@@ -9,7 +9,9 @@ node (tp divides the GPUs of a node), context parallelism too (tp x cp <= GPUs o
 ranks) spans nodes once tp x cp x dp exceeds a node, and neighbouring pipeline stages are on different nodes once a
 stage's ranks fill one. The model is cut into the pipeline's stages (pp x the schedule's stages per rank) as
 parallel/pp.py cuts it, by cost: the stage that carries the output head takes fewer blocks. The candidates are first
-timed with plan/pipeline.py's closed-form bubble; the best REFINE of them are then simulated.
+timed with plan/pipeline.py's closed-form bubble; the best REFINE of them are then simulated. A mixture of experts
+(no tensor parallelism yet) also tries expert parallelism without cp and pp (parallel/config.py): every ep that divides
+dp and the experts, its all-to-alls in the `ep` phase and its experts' grouped GEMMs in compute (plan/moe.py).
 
 Time, per step, on the busiest rank (seconds):
   compute     each stage's GEMMs at the GPU's measured GEMM rate times the compiled-step efficiency (plan/cost.py:
@@ -33,7 +35,8 @@ Time, per step, on the busiest rank (seconds):
               torchtitan's use, the weights gathered for each micro-batch's forward and backward and the gradients
               reduce-scattered after each, hidden behind compute but for the first block (plan/cost.py's rule); with
               pp, torch's stages keep the weights gathered and the gradients unreduced over the step (their memory
-              counted) and reduce-scatter once after the last backward, exposed for the chunk that finishes last
+              counted) and reduce-scatter once after the last backward, exposed for the chunk that finishes last;
+              under ep the experts' share over the expert_dp ranks that hold it (fsdp_ep_bytes_per_step)
   optimizer   the device AdamW over the rank's shard (plan/cost.py: DEVICE_ADAMW_S_PER_PARAM)
   checkpoint  a save's blocking time (train/checkpointer.py: save_blocking_s, an async save's queueing and what of its
               device-to-host copy outlasts the next step's compute, or the cluster's checkpoint_save_s) over the Young/Daly interval, which is no shorter than a node's
@@ -47,7 +50,8 @@ stages (6 bytes a parameter), without pp two gathered blocks (memory/plan.py's r
 each stage from memory/plan.py's activation model (its fitted bytes per value, tensor parallelism's share as plan/
 cost.py takes it, but 1/tp of the checkpointed blocks' inputs, which sequence parallelism shards) times the
 micro-batches in flight, which the schedule's op order gives (plan/pipeline.py: peak_in_flight: p - s on stage s for
-1f1b), and the larger of the loss (last stage) and one block's backward buffers.
+1f1b), and the larger of the loss (last stage) and one block's backward buffers. The weights are the total
+parameters (a mixture of experts' every expert), a gathered block's experts its ep-th; time counts the active ones.
 A layout fits where that is within the GPU memory the measured machine may use.
 
 Failures: the job's MTBF is a node's over the nodes; the checkpoint interval is Young/Daly's sqrt(2 x save x MTBF),
@@ -66,15 +70,17 @@ from pathlib import Path
 
 from holotrain.config import Config
 from holotrain.errors import ConfigError
-from holotrain.memory.activation_checkpointing import POLICIES, checkpointed_blocks, recompute_share
-from holotrain.memory.plan import activations
+from holotrain.memory.activation_checkpointing import POLICIES, checkpointed_blocks, pointwise_blocks, recompute_share
+from holotrain.memory.plan import activations, grouped_gemms_kept
 from holotrain.model.args import ModelArgs
 from holotrain.parallel.dims import ParallelDims
-from holotrain.model.costs import ATTENTION_FORWARD_SHARE, block_params, flops_per_token
-from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
+from holotrain.model.costs import (ATTENTION_FORWARD_SHARE, block_active_params, block_params, expert_flops_per_token,
+                                   expert_params, flops_per_token)
+from holotrain.parallel.cost import fsdp_ep_bytes_per_step, tp_activation_share, tp_bytes_per_step
 from holotrain.parallel.pp import stage_bounds, stages_per_rank, unit_costs
 from holotrain.plan.attention import LINK_LATENCY_S, attention_seconds, cp_exposed_seconds
 from holotrain.plan.cost import DEVICE_ADAMW_S_PER_PARAM, EFFICIENCY, HOST_S_PER_BLOCK, Machine, micro_time
+from holotrain.plan.moe import MoeTerms, expert_parallel_sizes, moe_terms
 from holotrain.plan.pipeline import (
     SCHEDULES,
     ZERO_BUBBLE,
@@ -200,6 +206,7 @@ class Layout:
     # A zero-bubble schedule's blocks taken as compiled, which torch cannot run: the bound a compiled split backward
     # would reach.
     what_if_compiled: bool = False
+    ep: int = 1  # expert parallelism: a mixture of experts' experts split over ep of the dp ranks
 
     @property
     def compiled(self) -> bool:
@@ -213,7 +220,8 @@ class Layout:
 
     @property
     def label(self) -> str:
-        parts = [f"dp {self.dp}", f"tp {self.tp}"] + ([f"cp {self.cp}"] if self.cp > 1 else [])
+        parts = ([f"dp {self.dp}", f"tp {self.tp}"] + ([f"cp {self.cp}"] if self.cp > 1 else [])
+                 + ([f"ep {self.ep}"] if self.ep > 1 else []))
         if self.pp > 1:
             v = f" x{self.virtual}" if self.virtual != stages_per_rank(self.schedule) else ""
             parts.append(f"pp {self.pp} {self.schedule}{v}")
@@ -240,6 +248,7 @@ class ClusterCandidate:
     checkpoint_interval_s: float = math.inf
     checkpoint_interval_steps: int = 0
     goodput_loss: float = 0.0  # expected share of the wall clock lost to saves and failures
+    moe: MoeTerms | None = None  # a mixture of experts' terms of the step, the whole model's (plan/moe.py)
 
     @property
     def step_s(self) -> float:
@@ -293,14 +302,15 @@ def _args(shape: tuple) -> ModelArgs:
 
 def _tp_sizes(a: ModelArgs, gpus_per_node: int) -> list[int]:
     return [tp for tp in range(1, gpus_per_node + 1) if ParallelDims.fits(gpus_per_node, tp=tp) and all(
-        x % tp == 0 for x in (a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size))]
+        x % tp == 0 for x in (a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size)) and (tp == 1 or not a.n_experts)]
 
 
 def _cp_sizes(seq_len: int, tp: int, gpus_per_node: int) -> list[int]:
     return [cp for cp in (1, 2, 4, 8, 16) if tp * cp <= gpus_per_node and seq_len % (2 * cp * tp) == 0]
 
 
-def _stage_cfg(a: ModelArgs, layers: int, seq_len: int, ac: str, tp: int, cp: int, compiled: bool) -> Config:
+def _stage_cfg(a: ModelArgs, layers: int, seq_len: int, ac: str, tp: int, cp: int, compiled: bool,
+               ep: int = 1) -> Config:
     """A resolved-enough config of one pipeline stage of `layers` blocks, for memory/plan.py's activation model."""
     cfg = Config()
     shape = {k: v for k, v in dataclasses.asdict(a).items() if hasattr(cfg.model, k)}
@@ -309,14 +319,14 @@ def _stage_cfg(a: ModelArgs, layers: int, seq_len: int, ac: str, tp: int, cp: in
         cfg, model=model, data=dataclasses.replace(cfg.data, seq_len=seq_len),
         training=dataclasses.replace(cfg.training, compile=compiled, dtype="bf16", fp8="none"),
         memory=dataclasses.replace(cfg.memory, activation_checkpointing=ac, activation_checkpointing_blocks=0),
-        parallel=dataclasses.replace(cfg.parallel, tp=tp, cp=cp, cp_mode="auto"))
+        parallel=dataclasses.replace(cfg.parallel, tp=tp, cp=cp, cp_mode="auto", ep=ep))
 
 
 @functools.lru_cache(maxsize=4096)
 def _activations(shape: tuple, layers: int, seq_len: int, ac: str, tp: int, cp: int, compiled: bool, micro: int,
-                 block_weights: float):
+                 block_weights: float, ep: int = 1):
     a = dataclasses.replace(_args(shape), n_layers=layers)
-    return activations(_stage_cfg(a, layers, seq_len, ac, tp, cp, compiled), micro, 2, block_weights)
+    return activations(_stage_cfg(a, layers, seq_len, ac, tp, cp, compiled, ep), micro, 2, block_weights)
 
 
 @dataclass
@@ -330,6 +340,7 @@ class _Stage:
     backward_weight: float
     tp_s: float  # of the three above, tensor parallelism's exposed collectives
     cp_s: float  # and context parallelism's
+    ep_s: float  # and expert parallelism's all-to-alls
     saved: float  # activations one micro-batch leaves on it until its backward
     transient: float  # the larger of the loss (last stage) and one block's backward buffers
 
@@ -342,17 +353,22 @@ def _stage(a: ModelArgs, cluster: Cluster, seq_len: int, lay: Layout, layers: in
     params = layers * block_params(a) + (head_w if first else 0) + ((head_w + a.dim) if last else 0)
     key = ("cuda", lay.compiled)
     rate = mach.gemm_flops * EFFICIENCY[key]
-    blocks_gemm = 6 * layers * (block_params(a) - 2 * a.dim) * tokens / tp / rate
+    # The blocks' GEMMs at their active weights; a mixture of experts' routed experts apart, as plan/moe.py times them.
+    experts = expert_flops_per_token(a) * layers / a.n_layers
+    blocks_gemm = (6 * layers * (block_active_params(a) - 2 * a.dim) - experts) * tokens / tp / rate
     head_gemm = 6 * head_w * tokens / tp / rate if last else 0.0
     recompute = blocks_gemm * recompute_share(lay.ac, layers, 1.0) if layers else 0.0
     whole = len(checkpointed_blocks(lay.ac, layers)) / layers if layers else 0.0
     sargs = dataclasses.replace(a, n_layers=layers)
+    moe = moe_terms(sargs, tokens, 1, lay.ep, 2, rate, _ep_link(cluster, lay), _expert_recompute(lay.ac, layers))
     ring = cp > 1 and ((a.n_heads // tp) % cp or (a.n_kv_heads // tp) % cp)
     attn = attention_seconds(sargs, seq_len, tokens, mach.attention_rate, 1.0, 0.0, ring=bool(ring)) / tp
     attn_f, attn_b = attn * ATTENTION_FORWARD_SHARE, attn * (1 - ATTENTION_FORWARD_SHARE)
-    gemm = blocks_gemm + head_gemm
-    f = gemm / 3 + attn_f
-    bi = gemm / 3 + attn_b + recompute + attn * whole * ATTENTION_FORWARD_SHARE
+    gemm = blocks_gemm + head_gemm + (moe.expert_s if moe else 0.0)
+    routing = moe.routing_s if moe else 0.0
+    f = gemm / 3 + attn_f + routing / 3
+    bi = gemm / 3 + attn_b + recompute + attn * whole * ATTENTION_FORWARD_SHARE + 2 * routing / 3
+    bi += moe.recompute_s if moe else 0.0
     bw = gemm / 3
     # The host issues a micro-batch's kernels while the GPU runs the previous one's (plan/cost.py: micro_time).
     gpu = f + bi + bw
@@ -362,17 +378,30 @@ def _stage(a: ModelArgs, cluster: Cluster, seq_len: int, lay: Layout, layers: in
     tp_s = tp_bytes_per_step(int(tokens), a.dim, layers, tp, 1) / cluster.intra_node_busbw * TP_EXPOSED
     cp_s = cp_exposed_seconds(sargs, "ring" if ring else "alltoall", cp, tp, b, seq_len, 1, 2, attn, whole,
                               cluster.intra_node_busbw) if cp > 1 and layers else 0.0
-    f += tp_s / 2 + cp_s * ATTENTION_FORWARD_SHARE
-    bi += tp_s / 2 + cp_s * (1 - ATTENTION_FORWARD_SHARE)
+    ep_s = moe.exposed_s if moe else 0.0
+    f += tp_s / 2 + cp_s * ATTENTION_FORWARD_SHARE + ep_s / 2
+    bi += tp_s / 2 + cp_s * (1 - ATTENTION_FORWARD_SHARE) + ep_s / 2
     acts = _activations(_shape(a), max(layers, 1), seq_len, lay.ac,
-                        tp, cp, lay.compiled, b, layers * block_params(a) / (tp * n_f))
+                        tp, cp, lay.compiled, b, layers * block_params(a) / (tp * n_f), lay.ep)
     # Tensor parallelism's share (plan/cost.py's), but for the checkpointed blocks' inputs: sequence-parallel between
     # blocks, each rank keeps 1/tp of them.
     share = tp_activation_share(tp)
     inputs = len(checkpointed_blocks(lay.ac, layers)) * tokens * 2 * a.dim if layers else 0.0
     saved = ((acts.saved - inputs) * share + inputs / tp + acts.held) if layers else 0.0
     transient = max(acts.loss if last else 0.0, acts.recompute * share if layers else 0.0)
-    return _Stage(layers, params, f, bi, bw, tp_s, cp_s, saved, transient)
+    return _Stage(layers, params, f, bi, bw, tp_s, cp_s, ep_s, saved, transient)
+
+
+def _expert_recompute(ac: str, layers: int) -> float:
+    """The share of the blocks whose routed experts run again in backward: those recomputed whole, and "pointwise" ones
+    where the grouped GEMMs are not kept (memory/plan.py: grouped_gemms_kept)."""
+    lean = 0 if grouped_gemms_kept(True) else len(pointwise_blocks(ac, layers))
+    return (len(checkpointed_blocks(ac, layers)) + lean) / max(layers, 1)
+
+
+def _ep_link(cluster: Cluster, lay: Layout) -> float:
+    """The rate of an expert-parallel group's all-to-all: adjacent data-parallel ranks, within a node up to its GPUs."""
+    return cluster.intra_node_busbw if lay.ep * lay.cp * lay.tp <= cluster.gpus_per_node else cluster.inter_node_busbw
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,7 +426,7 @@ def expected_loss_share(save_s: float, interval_s: float, mtbf_s: float, restart
 
 def _memory(a: ModelArgs, lay: Layout, stages: list[_Stage], order, n_f: int) -> dict[str, float]:
     """The fullest rank's bytes, by what holds them (`order`: the schedule's, for the activations in flight)."""
-    tp, block = lay.tp, block_params(a)
+    tp, block = lay.tp, block_params(a) - expert_params(a) / a.n_layers * (1 - 1 / lay.ep)  # a gathered block's
     ranks = [[s for s in range(len(stages)) if (order.rank_of[s] if order else 0) == r] for r in range(lay.pp)]
     in_flight = peak_in_flight(order, [st.saved for st in stages]) if order else [stages[0].saved]
     best: dict[str, float] = {}
@@ -429,6 +458,9 @@ def evaluate(a: ModelArgs, cluster: Cluster, seq_len: int, lay: Layout, simulate
     out = ClusterCandidate(lay, True, tokens_per_step=tokens, flops_per_step=flops_per_token(a, seq_len) * tokens,
                            peak_flops=mach.peak_flops, memory_capacity=mach.gpu_memory or 0.0)
     out.memory = _memory(a, lay, stages, short, n_f)
+    rate = mach.gemm_flops * EFFICIENCY[("cuda", lay.compiled)]  # the step's, for the record (the stages' their own)
+    out.moe = moe_terms(a, lay.micro * seq_len / lay.cp, lay.micro_batches, lay.ep, 2, rate, _ep_link(cluster, lay),
+                        _expert_recompute(lay.ac, a.n_layers))
     if mach.gpu_memory and out.memory_bytes > mach.gpu_memory:
         out.fits = False
         out.why_not = f"needs {out.memory_bytes / 1e9:.0f} GB of {mach.gpu_memory / 1e9:.0f} GB a GPU"
@@ -439,8 +471,7 @@ def evaluate(a: ModelArgs, cluster: Cluster, seq_len: int, lay: Layout, simulate
     per_rank = [sum(stages[s].forward + stages[s].backward_input + stages[s].backward_weight for s in mine) * m
                 for mine in rank_stages]
     busiest = max(range(lay.pp), key=lambda r: per_rank[r])
-    comm = {"tp": sum(stages[s].tp_s for s in rank_stages[busiest]) * m,
-            "cp": sum(stages[s].cp_s for s in rank_stages[busiest]) * m}
+    comm = {k: sum(getattr(stages[s], f"{k}_s") for s in rank_stages[busiest]) * m for k in ("tp", "cp", "ep")}
     busy = per_rank[busiest]
     bubble = p2p = 0.0
     if short is not None:
@@ -468,7 +499,9 @@ def evaluate(a: ModelArgs, cluster: Cluster, seq_len: int, lay: Layout, simulate
     params_rank = sum(stages[s].params for s in rank_stages[busiest]) / lay.tp
     link = cluster.inter_node_busbw if lay.dp * lay.cp * lay.tp > cluster.gpus_per_node else cluster.intra_node_busbw
     if lay.pp == 1:
-        per_micro = fsdp_bytes_per_step(int(params_rank * lay.tp), n_f, lay.tp) / link
+        dims = ParallelDims(world=lay.gpus, cp=lay.cp, tp=lay.tp, ep=lay.ep)
+        n_expert, expert_dp = (expert_params(a), dims.expert_dp) if lay.ep > 1 else (0, 1)
+        per_micro = fsdp_ep_bytes_per_step(int(params_rank * lay.tp), n_expert, n_f, lay.ep, expert_dp, lay.tp) / link
         fsdp = m * (per_micro / (a.n_layers + 1) + max(0.0, per_micro - busy / m))
     else:
         share = (n_f - 1) / n_f
@@ -477,8 +510,7 @@ def evaluate(a: ModelArgs, cluster: Cluster, seq_len: int, lay: Layout, simulate
         first_forward = sum(stages[s].forward for s in rank_stages[busiest])
         layers_rank = sum(stages[s].layers for s in rank_stages[busiest])
         fsdp = gather / (layers_rank + 1) + max(0.0, gather - first_forward) + reduce / v
-    out.phases = {"compute": busy - comm["tp"] - comm["cp"], "tp": comm["tp"], "cp": comm["cp"], "bubble": bubble,
-                  "pp_p2p": p2p, "fsdp": fsdp,
+    out.phases = {"compute": busy - sum(comm.values()), **comm, "bubble": bubble, "pp_p2p": p2p, "fsdp": fsdp,
                   "optimizer": params_rank / n_f * DEVICE_ADAMW_S_PER_PARAM["fp32"]}
     out.save_s = (cluster.checkpoint_save_s if cluster.checkpoint_save_s is not None
                   else save_blocking_s(int(params_rank / n_f), 0, False, None, overlap_s=busy))
@@ -517,7 +549,8 @@ def layouts(a: ModelArgs, cluster: Cluster, seq_len: int, global_batch_tokens: i
                     continue
                 per_replica = seqs // dp
                 scheds = [("none", 1)] if pp == 1 else [(s, v) for s, v in schedules if pp * v <= a.n_layers]
-                for (sched, v), micro, ac in itertools.product(scheds, micro_choices, ac_policies):
+                eps = expert_parallel_sizes(a, dp) if tp == cp == pp == 1 else [1]
+                for (sched, v), micro, ac, ep in itertools.product(scheds, micro_choices, ac_policies, eps):
                     if per_replica % micro:
                         continue
                     m = per_replica // micro
@@ -526,7 +559,7 @@ def layouts(a: ModelArgs, cluster: Cluster, seq_len: int, global_batch_tokens: i
                         rounds = max(1, m // pp)
                         if m < pp or (sched in ("interleaved", "zb1p") and m % rounds):
                             continue
-                    out.append(Layout(dp, tp, cp, pp, sched, v, micro, m, ac))
+                    out.append(Layout(dp, tp, cp, pp, sched, v, micro, m, ac, ep=ep))
     return out
 
 

@@ -24,12 +24,13 @@ from holotrain.plan.cluster import (
     plan_cluster,
     young_daly_interval_s,
 )
+from holotrain.plan.moe import describe_moe
 from holotrain.plan.planner import job_config, job_signature, read_overlay
 from holotrain.train.resolve import model_args
 
 # The step's phases (plan/cluster.py's) grouped as the table shows them: compute, exposed communication, the
 # pipeline's bubble, and the checkpoint saves' blocking time spread over the steps between them.
-SPLIT = {"compute": ("compute", "optimizer"), "comm": ("tp", "cp", "fsdp", "pp_p2p"), "bubble": ("bubble",),
+SPLIT = {"compute": ("compute", "optimizer"), "comm": ("tp", "cp", "ep", "fsdp", "pp_p2p"), "bubble": ("bubble",),
          "save": ("checkpoint",)}
 
 
@@ -57,7 +58,7 @@ def overlay(c: ClusterCandidate) -> dict:
     """The config sections that set up a candidate's layout. dp is what the launch's ranks leave over tp x cp x pp."""
     lay = c.layout
     piped = lay.pp > 1
-    out = {"parallel": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp,
+    out = {"parallel": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, **({"ep": lay.ep} if c.moe else {}),
                         # Without a pipeline the schedule keys keep their defaults: the accumulation follows from
                         # training.micro_batch_size.
                         "pp_schedule": lay.schedule if piped else "auto",
@@ -78,7 +79,8 @@ def _flat(sections: dict) -> dict:
 def held_settings(cfg: Config, overrides: list[str]) -> dict:
     """The layout's settings the command line gives (`--parallel.tp=8`): the plan keeps them and chooses the rest.
     "auto" and 0 (the micro-batch, the pipeline's micro-batches) are left to the plan."""
-    chosen = {"parallel.tp", "parallel.cp", "parallel.pp", "parallel.pp_schedule", "parallel.pp_microbatches",
+    chosen = {"parallel.tp", "parallel.cp", "parallel.pp", "parallel.ep", "parallel.pp_schedule",
+              "parallel.pp_microbatches",
               "training.micro_batch_size", "training.compile", "memory.activation_checkpointing"}
     held = {}
     for section, key, _ in parse_overrides(overrides):
@@ -155,7 +157,7 @@ def candidate_dict(c: ClusterCandidate) -> dict:
     checkpoint = {"save_s": c.save_s, "write_s": c.write_s, "interval_s": _finite(c.checkpoint_interval_s),
                   "every": c.checkpoint_interval_steps, "goodput_loss": c.goodput_loss}
     return {"label": c.layout.label, "layout": dataclasses.asdict(c.layout), "predicted": predicted,
-            "checkpoint": checkpoint if c.fits else None}
+            "checkpoint": checkpoint if c.fits else None, "moe": c.moe.as_dict() if c.moe else None}
 
 
 def _checkpoint_note(plan: ClusterPlan) -> str:
@@ -206,7 +208,8 @@ def print_cluster_table(plan: ClusterPlan, limit: int = 12) -> None:
         table.add_column(col, justify="left" if col in ("dp x tp x cp x pp", "schedule", "ac") else "right")
     for c in fits[:limit]:
         lay, split = c.layout, _split(c)
-        table.add_row(("* " if c is plan.chosen else "  ") + f"{lay.dp} x {lay.tp} x {lay.cp} x {lay.pp}",
+        table.add_row(("* " if c is plan.chosen else "  ") + f"{lay.dp} x {lay.tp} x {lay.cp} x {lay.pp}"
+                      + (f" (ep {lay.ep})" if lay.ep > 1 else ""),
                       ("-" if lay.pp == 1 else lay.schedule) + ("" if lay.compiled else " (eager)"),
                       f"{lay.micro} x {lay.micro_batches}",
                       lay.ac, f"{c.step_s:.3f}", *(f"{split[k]:.3f}" for k in SPLIT), f"{c.mfu:.1%}",
@@ -218,6 +221,8 @@ def print_cluster_table(plan: ClusterPlan, limit: int = 12) -> None:
     c = plan.chosen
     console.print(f"chosen: {c.layout.label}; {c.tokens_per_s:,.0f} tokens/s ({c.tokens_per_s_per_gpu:,.0f} a GPU)",
                   soft_wrap=True)
+    if c.moe:
+        console.print(describe_moe(c.moe), soft_wrap=True)
     console.print(f"checkpoint: {_checkpoint_note(plan)}", soft_wrap=True)
     console.print(f"{len(plan.candidates)} layouts, {len(fits)} fit (the others need more than "
                   f"{cl.machine.gpu_memory / 1e9:.0f} GB a GPU); planned in {plan.seconds:.1f} s", soft_wrap=True)

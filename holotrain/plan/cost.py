@@ -20,6 +20,9 @@ pinned buffers, at the step's peak moment). Time is summed from phases:
   optimizer   on a GPU, the device AdamW step of the parameters it updates (memory-bound; measured on an H200)
   tp, fsdp    with several ranks: tensor parallelism's exposed collectives and FSDP2's unhidden part, the bytes
               from parallel/cost.py at the node's link rate (calibrated by trials)
+  ep          a mixture of experts under expert parallelism: the all-to-alls' exposed part (plan/moe.py); the experts'
+              grouped GEMMs are in compute's linear GEMMs at their efficiency, and the routing's memory traffic in
+              compute too (Prediction.routing_s), all at the active parameters' FLOPs
   cp          context parallelism's exposed communication: the ring's hops beyond the attention that hides them, or
               the all-to-alls (plan/attention.py)
   checkpoint  a save's blocking time (train/checkpointer.py: save_blocking_s), spread over the save interval
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from holotrain.memory.activation_checkpointing import checkpointed_blocks, recompute_share
+from holotrain.memory.activation_checkpointing import checkpointed_blocks, pointwise_blocks, recompute_share
 from holotrain.memory.activation_offload import OUT_BYTES_S, exposed_copy_s
 from holotrain.memory.offload.cost import ADAMW_IN_TRAINING, exposed_cpu_step
 from holotrain.memory.plan import (
@@ -48,13 +51,16 @@ from holotrain.memory.plan import (
     Plan,
     cp_mode,
     cp_size,
+    ep_size,
     gpu_usable_share,
+    grouped_gemms_kept,
     plan_memory,
 )
 from holotrain.parallel.dims import ParallelDims
-from holotrain.model.costs import ATTENTION_FORWARD_SHARE, flops_per_token
+from holotrain.model.costs import ATTENTION_FORWARD_SHARE, expert_flops_per_token, expert_params, flops_per_token
 from holotrain.plan.attention import ATTENTION_SHARE, attention_seconds, cp_exposed_seconds
-from holotrain.parallel.cost import fsdp_bytes_per_step, tp_activation_share, tp_bytes_per_step
+from holotrain.plan.moe import describe_moe, moe_terms
+from holotrain.parallel.cost import fsdp_ep_bytes_per_step, tp_activation_share, tp_bytes_per_step
 from holotrain.precision.lever import FP8_HOST, matmul_time
 from holotrain.train.checkpointer import save_blocking_s
 from holotrain.train.resolve import model_args
@@ -69,7 +75,7 @@ EFFICIENCY = {("cuda", True): 0.86, ("cuda", False): 0.70, ("cpu", True): 0.5, (
 # memory.adamw_moments = "bf16" 7.0 ms (bench/RESULTS.md); it is bound by memory bandwidth, about 28 and 20 bytes a
 # parameter. On a CPU it is left in the compute's efficiency.
 DEVICE_ADAMW_S_PER_PARAM = {"fp32": 12.9e-3 / 1.364e9, "bf16": 7.0e-3 / 1.364e9}
-COMM_PHASES = ("tp", "fsdp", "cp")  # the phases of collectives between ranks
+COMM_PHASES = ("tp", "fsdp", "cp", "ep")  # the phases of collectives between ranks
 # The host's seconds to issue one micro-batch's kernels, per block: on an H200, compiled, 2.3 ms with the 125m and
 # with the 1.4b alike, at micro-batches small enough for it to set the pace (bench/RESULTS.md); eager issues several
 # times more (not measured). A GPU runs one micro-batch while the host issues the next, so a micro-batch takes about
@@ -162,6 +168,8 @@ class Prediction:
     recompute_gemm_s: float = 0.0
     recompute_attention_s: float = 0.0
     activations: dict[str, float] = field(default_factory=dict)  # the activations' bytes by part (memory/plan.py)
+    routing_s: float = 0.0  # of compute: a mixture of experts' routing (memory traffic, plan/moe.py)
+    moe: object = None  # a mixture of experts' terms (plan/moe.py: MoeTerms), None for a dense model
 
     @property
     def gemm_total_s(self) -> float:
@@ -179,6 +187,8 @@ class Prediction:
         out = {"linear GEMMs": self.linear_s, "attention": self.attention_s,
                "recompute": self.recompute_gemm_s + self.recompute_attention_s, "optimizer": ph.get("optimizer", 0.0),
                "communication": sum(ph.get(k, 0.0) for k in COMM_PHASES), "host issue": ph.get("micro", 0.0)}
+        if self.routing_s:
+            out["MoE routing"] = self.routing_s
         out.update({k: v for k, v in ph.items() if k not in ("compute", "micro", "optimizer", *COMM_PHASES)})
         return out
 
@@ -222,8 +232,9 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     """The candidate `cfg` (resolved; per rank micro-batch `micro` x `accum` per step, on `ranks` processes of this
     machine, cfg.parallel.tp of them per model replica) on `machine`."""
     t, m = cfg.training, cfg.model
-    tp, cp = cfg.parallel.tp, cp_size(cfg)
-    dp = ParallelDims(world=ranks, cp=cp, tp=tp).dp
+    tp, cp, ep = cfg.parallel.tp, cp_size(cfg), ep_size(cfg)
+    dims = ParallelDims(world=ranks, cp=cp, tp=tp, ep=ep)
+    dp = dims.dp
     plan = _memory(model, cfg, machine, micro, accum, ranks)
     why = []
     if not plan.gpu_fits:
@@ -235,7 +246,8 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     tokens = micro * accum * dp * seq
     args = model_args(cfg)
     flops = flops_per_token(args, seq) * tokens  # MFU's count (attention over the full square)
-    linear = flops_per_token(args, 0)  # the linear layers' FLOPs per token (6 per weight)
+    # The linear layers' FLOPs per token (6 per active weight), less a mixture of experts' grouped GEMMs (plan/moe.py)
+    linear = flops_per_token(args, 0) - expert_flops_per_token(args)
     blocks_share = 1 - 6 * m.dim * m.vocab_size / linear  # the head's 6 FLOPs per weight are not recomputed
     ac, ac_blocks = cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks
     key = (machine.device, t.compile)
@@ -251,7 +263,16 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     attention_s = attention_seconds(args, seq, tokens / ranks, machine.attention_rate, calib.attention_density,
                                     calib.masked_share, ring=mode == "ring") * (calib.attention_scale or 1.0)
     recompute_attention_s = attention_s * whole * ATTENTION_FORWARD_SHARE
-    compute = linear_s + recompute_gemm_s + attention_s + recompute_attention_s
+    link = calib.link_bytes_s or LINK_BYTES_S[machine.device]
+    lean = 0.0 if grouped_gemms_kept(machine.device == "cuda") else len(pointwise_blocks(ac, m.n_layers, ac_blocks))
+    bf16 = t.dtype == "bf16" or (t.dtype == "auto" and machine.device == "cuda")  # memory/plan.py's rule
+    moe = moe_terms(args, micro * seq / cp, accum, ep, 2 if bf16 else 4, machine.gemm_flops * eff, link,
+                    whole + lean / m.n_layers, machine.device)
+    routing_s = 0.0
+    if moe:  # the experts are not FP8 linears: at the bf16 rate
+        linear_s, recompute_gemm_s, routing_s = (linear_s + moe.expert_s, recompute_gemm_s + moe.recompute_s,
+                                                 moe.routing_s)
+    compute = linear_s + recompute_gemm_s + attention_s + recompute_attention_s + routing_s
     host = host_seconds(calib, key, m.n_layers)
     # "micro": what issuing the micro-batches adds to their GPU work.
     phases = {"compute": compute,
@@ -260,11 +281,14 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
         per_param = DEVICE_ADAMW_S_PER_PARAM[cfg.memory.adamw_moments]
         phases["optimizer"] = (plan.n_params - (plan.n_offloaded if cfg.memory.offload else 0)) / ranks * per_param
     if ranks > 1:
-        link = calib.link_bytes_s or LINK_BYTES_S[machine.device]
-        # TP's collectives without overlap are exposed; FSDP2's (over dp and cp) hide behind compute but for the first
-        # gather; context parallelism's as its mode hides them (plan/attention.py).
+        # TP's collectives without overlap are exposed; FSDP2's (over dp and cp; an expert's over the ranks sharing
+        # its ep share) hide behind compute but for the first gather; context parallelism's as its mode hides them
+        # (plan/attention.py); expert parallelism's all-to-alls but for what plan/moe.py hides.
         phases["tp"] = tp_bytes_per_step(micro * seq // cp, m.dim, m.n_layers, tp, accum) / link
-        fsdp = fsdp_bytes_per_step(plan.n_params, dp * cp, tp) / link
+        n_expert = expert_params(args) if ep > 1 else 0
+        fsdp = fsdp_ep_bytes_per_step(plan.n_params, n_expert, dp * cp, ep, dims.expert_dp if ep > 1 else 1, tp) / link
+        if moe and ep > 1:
+            phases["ep"] = moe.exposed_s
         phases["fsdp"] = fsdp / (m.n_layers + 1) + max(0.0, fsdp - compute)
         if cp > 1:
             elem = 4 if t.dtype == "fp32" else 2
@@ -301,7 +325,7 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     return Prediction(plan.gpu_need if machine.device == "cuda" else None, plan.host_need, not why, "; ".join(why),
                       phases, tokens, flops, machine.peak_flops, calib.power_w or machine.power_w, offloaded,
                       save_s, ranks, dict(memory), host, linear_s, attention_s, recompute_gemm_s,
-                      recompute_attention_s, dict(plan.activations))
+                      recompute_attention_s, dict(plan.activations), routing_s, moe)
 
 
 def describe(p: Prediction) -> list[str]:
@@ -316,7 +340,8 @@ def describe(p: Prediction) -> list[str]:
         elif v >= 0.005e9:
             held.append(f"{v / 1e9:.2f} {k}")
     return [f"step {p.step_s:.3f} s = " + " + ".join(parts),
-            f"peak {'GPU' if p.gpu_bytes is not None else 'host'} memory {gb / 1e9:.2f} GB = " + " + ".join(held)]
+            f"peak {'GPU' if p.gpu_bytes is not None else 'host'} memory {gb / 1e9:.2f} GB = " + " + ".join(held)
+            ] + ([describe_moe(p.moe)] if p.moe else [])
 
 
 def host_seconds(calib: Calibration, key: tuple, n_layers: int) -> float:

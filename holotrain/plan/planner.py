@@ -5,7 +5,9 @@ is chosen), and the best measured written as an overlay, plan.toml, with every c
 The candidates (one process, one GPU or the CPU): micro-batch (and so gradient accumulation), activation
 checkpointing, loss chunking, memory.offload and its ratio, FP8 where the GPU has it, and compilation, on a GPU;
 micro-batch and activation checkpointing on a CPU. With several processes also tensor parallelism's size and, from
-CP_MIN_SEQ tokens a sequence, context parallelism's size and mode (ring, all-to-all), FSDP2 over the rest. The checkpoint interval is not a candidate: it follows from
+CP_MIN_SEQ tokens a sequence, context parallelism's size and mode (ring, all-to-all), FSDP2 over the rest, and for a
+mixture of experts (no tensor parallelism) the expert-parallel sizes that divide the data-parallel ranks and the
+experts (plan/moe.py). The checkpoint interval is not a candidate: it follows from
 the chosen setting's save cost and job.mtbf_hours (Young/Daly). Nor is data.workers: the plane starts loaders as
 training needs them, up to that many; the plan raises the cap when a trial waited for data and the chosen setting
 would need more loaders at the rate they were measured."""
@@ -43,6 +45,7 @@ from holotrain.plan.cost import (
     with_settings,
     young_daly_steps,
 )
+from holotrain.plan.moe import expert_parallel_sizes
 from holotrain.plan.trials import Measured, run_trial
 from holotrain.train.resolve import model_args
 
@@ -70,7 +73,8 @@ class Candidate:
             tp, cp = s["parallel.tp"], s.get("parallel.cp", 1)
             parts.insert(0, f"tp {tp}" + (f" ({s['parallel.tp_overlap']})" if tp > 1 else "")
                          + (f" x cp {cp} ({s['parallel.cp_mode']})" if cp > 1 else "")
-                         + f" x dp {ParallelDims(world=self.ranks, cp=cp, tp=tp).dp}")
+                         + f" x dp {ParallelDims(world=self.ranks, cp=cp, tp=tp).dp}"
+                         + (f" x ep {s['parallel.ep']}" if s.get("parallel.ep", 1) > 1 else ""))
         if s.get("memory.offload"):
             parts.append(f"offload {s['memory.offload_ratio']:g}")
         if s.get("memory.activation_offload_blocks"):
@@ -101,22 +105,24 @@ def job_signature(cfg: Config, ranks: int = 1) -> str:
     """What a plan belongs to: the model's shape, the sequence length, the batch and the ranks."""
     m = cfg.model
     return (f"dim {m.dim}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} heads, ffn {m.ffn_dim}, vocab "
-            f"{m.vocab_size}, seq {cfg.data.seq_len}, batch {cfg.training.batch_size}"
+            f"{m.vocab_size}" + (f", {m.n_experts} experts top-{m.n_active_experts} ffn {m.moe_ffn_dim}"
+                                 if m.n_experts else "") + f", seq {cfg.data.seq_len}, batch {cfg.training.batch_size}"
             + (f", {ranks} ranks" if ranks > 1 else ""))
 
 
 def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
-    """Tensor-parallel sizes that divide the ranks and every dimension tensor parallelism splits."""
+    """Tensor-parallel sizes that divide the ranks and every dimension tensor parallelism splits (1 alone for a
+    mixture of experts, which tensor parallelism does not split yet)."""
     m = cfg.model
-    return [tp for tp in range(1, ranks + 1) if ParallelDims.fits(ranks, tp=tp) and all(
-        x % tp == 0 for x in (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, cfg.data.seq_len))]
+    return [tp for tp in range(1, ranks + 1) if ParallelDims.fits(ranks, tp=tp) and (tp == 1 or not m.n_experts)
+            and all(x % tp == 0 for x in (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, cfg.data.seq_len))]
 
 
 # The settings a plan chooses (a candidate's keys).
 PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing",
                 "memory.activation_checkpointing_blocks", "memory.offload", "memory.offload_ratio", "training.compile",
                 "memory.loss_chunk_tokens", "training.fp8", "parallel.tp", "parallel.tp_overlap",
-                "memory.activation_offload_blocks", "parallel.cp", "parallel.cp_mode")
+                "memory.activation_offload_blocks", "parallel.cp", "parallel.cp_mode", "parallel.ep")
 
 
 def held_settings(cfg: Config, overrides: list[str]) -> dict:
@@ -181,11 +187,14 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
     # optimizer offload's, and without activation checkpointing (whose saved tensors its hooks do not see).
     n = cfg.model.n_layers
     moved = [0] + (sorted({n // 8, n // 4} - {0}) if gpu else [])
-    layouts = [(1, "none", 1, "auto")] if ranks == 1 else [
-        (tp, overlap, cp, mode) for tp in _tp_sizes(cfg, ranks)
-        for overlap in (("none", "fused") if gpu and tp > 1 else ("none",)) for cp, mode in _cp_layouts(cfg, ranks, tp)]
+    # Expert parallelism (a mixture of experts) only without tensor and context parallelism (parallel/config.py).
+    args = model_args(cfg)
+    layouts = [(1, "none", 1, "auto", 1)] if ranks == 1 else [
+        (tp, overlap, cp, mode, ep) for tp in _tp_sizes(cfg, ranks)
+        for overlap in (("none", "fused") if gpu and tp > 1 else ("none",)) for cp, mode in _cp_layouts(cfg, ranks, tp)
+        for ep in (expert_parallel_sizes(args, ParallelDims(world=ranks, cp=cp, tp=tp).dp) if tp == cp == 1 else [1])]
     out = []
-    for (tp, overlap, cp, mode), (ac, blocks), (offload, ratio), fp8, compiled, chunk, act_off in itertools.product(
+    for (tp, overlap, cp, mode, ep), (ac, blocks), (offload, ratio), fp8, compiled, chunk, act_off in itertools.product(
             layouts, checkpointing_choices(cfg.model.n_layers), offloads, fp8s, compiles, (0, 8192), moved):
         if chunk and (ac != "none" or tp > 1):
             continue  # chunked already under activation checkpointing (auto); TP's vocabulary-parallel loss never is
@@ -193,7 +202,7 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             continue
         if tp > 1 and (offload or fp8 == "delayed" or (fp8 != "none" and overlap != "none")):
             continue  # combinations the trainer refuses (config.validate)
-        if cp > 1 and offload:
+        if (cp > 1 or ep > 1) and offload:
             continue
         dp = ParallelDims(world=ranks, cp=cp, tp=tp).dp
         if t.batch_size % dp:
@@ -214,6 +223,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
                 settings.update({"parallel.tp": tp, "parallel.tp_overlap": overlap})
                 if hasattr(cfg.parallel, "cp"):
                     settings.update({"parallel.cp": cp, "parallel.cp_mode": mode})
+                if args.n_experts:
+                    settings["parallel.ep"] = ep
             out.append(Candidate(settings, micro, per_rank // micro, ranks))
     return out
 
@@ -294,7 +305,7 @@ def calibrate(calib: Calibration, c: Candidate, machine: Machine, repredict) -> 
         calib.attention_scale = (calib.attention_scale or 1.0) * ratio
         attention *= ratio
     work = p.gemm_total_s * calib.efficiency.get(key, EFFICIENCY[key])
-    fit_compute(calib, key, work, c.accum, measured, host_factor(fp8), p.host_s, attention)
+    fit_compute(calib, key, work, c.accum, measured, host_factor(fp8), p.host_s, attention + p.routing_s)
 
 
 @dataclass
@@ -437,7 +448,7 @@ def prediction_dict(p: Prediction) -> dict:
             "gpu_gb": None if p.gpu_bytes is None else p.gpu_bytes / 1e9, "host_gb": p.host_bytes / 1e9,
             "phases_s": dict(p.phases), "parts_s": p.parts, "fits": p.fits, "why_not": p.why_not,
             "memory_gb": {k: v / 1e9 for k, v in p.memory.items()},
-            "activations_gb": {k: v / 1e9 for k, v in p.activations.items()}}
+            "activations_gb": {k: v / 1e9 for k, v in p.activations.items()}, "moe": p.moe.as_dict() if p.moe else None}
 
 
 def _overlay(result: PlanResult) -> dict:
@@ -475,7 +486,7 @@ def write_plan(result: PlanResult, cfg: Config, out_dir: Path) -> None:
     (out_dir / "plan.json").write_text(json.dumps({
         "planned": planned, "overlay": _overlay(result), "machine": dataclasses.asdict(result.machine),
         "seconds": round(result.seconds, 1), "calibration": _calibration_dict(result.calibration),
-        "candidates": rows}, indent=1))
+        "moe": c.predicted.moe.as_dict() if c.predicted.moe else None, "candidates": rows}, indent=1))
 
 
 def _calibration_dict(calib: Calibration | None) -> dict | None:
