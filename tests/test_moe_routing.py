@@ -137,7 +137,7 @@ def test_expert_parallel_training_run_equals_one_process(sigmoid_run, tmp_path):
             "training.micro_batch_size": 4, "checkpoint.every": 2, "profile.tensorboard": True}
     out = torchrun(2, "train", *tiny_args(tmp_path, **args), "--parallel.ep=2")
     assert "world size 2" in out, out
-    one, two = read_metrics(sigmoid_run), read_metrics(tmp_path)
+    one, two = read_metrics(sigmoid_run)[:4], read_metrics(tmp_path)  # (another test resumes the first to step 5)
     assert [r["step"] for r in two] == [1, 2, 3, 4]
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a["step"], a["loss"], b["loss"])
