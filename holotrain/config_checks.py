@@ -82,3 +82,5 @@ def check_across(cfg, tokenizer_vocab: int | None = None) -> None:
     # The offload engine assumes FSDP2's sharding (disjoint shards, one gradient per step); tensor parallelism
     # replicates some parameters across ranks, which its norm would count twice.
     need(not (mem.offload and par.tp > 1), "memory.offload does not combine with parallel.tp > 1 yet")
+    need(not (mem.ffn_tiles > 1 and par.tp > 1), "memory.ffn_tiles > 1 does not combine with parallel.tp > 1 (the "
+         "sequence-parallel feed-forward gathers the sequence inside it): set one of them to 1")

@@ -52,8 +52,9 @@ class Memory:
                            local_ranks=self.env.local_world_size)
 
     def apply(self, model: nn.Module, vocab_parallel_loss: bool = False) -> None:
-        """Activation checkpointing and offload, and the loss in pieces, on the plain (or tensor-parallel) model. A
-        vocabulary-parallel loss (tensor parallelism) holds 1/tp of the logits and is never chunked."""
+        """Activation checkpointing and offload, feed-forwards tiled over the sequence, and the loss in pieces, on the
+        plain (or tensor-parallel) model. A vocabulary-parallel loss (tensor parallelism) holds 1/tp of the logits and
+        is never chunked."""
         if self.section.activation_checkpointing != "none":
             apply_activation_checkpointing(model, self.section.activation_checkpointing,
                                            self.section.activation_checkpointing_blocks)
@@ -61,6 +62,8 @@ class Memory:
             self.activation_offload = ActivationOffload(self.section.activation_offload_blocks, len(model.layers),
                                                         self.env.device, announce=self.env.is_main)
             model.hooks.install("run_block", self.activation_offload.run_block, "memory")
+        if self.section.ffn_tiles > 1:
+            model.tile_feed_forward(self.section.ffn_tiles)
         model.hooks.install("loss_chunk_tokens", 0 if vocab_parallel_loss else plan.chunk_tokens(self.section),
                             "memory")
 

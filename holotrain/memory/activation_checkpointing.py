@@ -102,6 +102,13 @@ def _kept_ops() -> frozenset:
     return frozenset(ops | ({flex} if flex is not None else set()))
 
 
+def grouped_gemms_kept(cuda: bool) -> bool:
+    """Whether "pointwise" keeps the experts' GEMM outputs: the CPU's reference loop runs plain matmuls (kept); a GPU's
+    torch._grouped_mm is kept where activation_checkpointing.py lists it, else the experts run again in backward."""
+    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    return not cuda or (op is not None and op.default in _kept_ops())
+
+
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -42,6 +42,9 @@ class MemoryConfig(Section):
     # The first this many blocks keep their saved tensors in pinned host memory between forward and backward
     # (memory/activation_offload.py): less GPU memory at the peak, no recompute, PCIe traffic instead.
     activation_offload_blocks: int = 0
+    # Each block's feed-forward runs the sequence in this many tiles, each recomputed in backward from its input
+    # (Arctic's tiled MLP): gate, up and their product never held for the whole sequence. 1 = off.
+    ffn_tiles: int = 1
 
     def check(self) -> None:
         """Also normalises what the section accepts in more than one spelling (activation_checkpointing = true,
@@ -67,6 +70,7 @@ class MemoryConfig(Section):
         need(self.offload_kernel in ("auto", "native", "torch"),
              f"memory.offload_kernel must be auto, native or torch, got {self.offload_kernel!r}")
         need(self.offload_threads >= 0, f"memory.offload_threads must be >= 0, got {self.offload_threads}")
+        need(self.ffn_tiles >= 1, f"memory.ffn_tiles must be >= 1 (1: off), got {self.ffn_tiles}")
         need(self.offload_gil_switch_ms >= 0, f"memory.offload_gil_switch_ms must be >= 0 (0 = Python's own), got "
              f"{self.offload_gil_switch_ms}")
         need(self.offload or not self.offload_delayed_update,

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from holotrain.errors import ConfigError
-from holotrain.memory.activation_checkpointing import checkpointed_blocks, pointwise_blocks, pointwise_kept_share
+from holotrain.memory.activation_checkpointing import (checkpointed_blocks, grouped_gemms_kept, pointwise_blocks,
+                                                       pointwise_kept_share)
 from holotrain.model.costs import (block_backward_bytes, block_saved_values, expert_params, moe_pointwise_bytes,
                                    moe_saved_bytes)
 from holotrain.parallel.cost import EP_IMBALANCE
@@ -256,14 +257,6 @@ def ep_size(cfg) -> int:
     return max(1, int(getattr(cfg.parallel, "ep", 1) or 1))
 
 
-def grouped_gemms_kept(cuda: bool) -> bool:
-    """Whether "pointwise" keeps the experts' GEMM outputs: the CPU's reference loop runs plain matmuls (kept); a GPU's
-    torch._grouped_mm is kept where activation_checkpointing.py lists it, else the experts run again in backward."""
-    from holotrain.memory.activation_checkpointing import _kept_ops
-    op = getattr(torch.ops.aten, "_grouped_mm", None)
-    return not cuda or (op is not None and op.default in _kept_ops())
-
-
 def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_probs: bool = False) -> Activations:
     """Estimate of one micro-batch's activations on one rank. A block keeps the values per token its family's
     description counts (model/costs.py block_saved_values: 7*dim + 2*ffn for a Llama of equal heads; SAVED_BYTES with
@@ -296,6 +289,12 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     # Activation offload moves what the first blocks save to the host. A checkpointed block's saved tensors are its
     # checkpoint's (in eager mode also a "pointwise" block's), which the offload's hooks do not see: counted kept.
     plain_off = len(set(range(cfg.memory.activation_offload_blocks)) - recomputed_at - lean_at)
+    tiles = getattr(cfg.memory, "ffn_tiles", 1)
+    tiled = 0.0  # sequence-tiled feed-forwards: per block, the tiles' inputs kept in place of gate and up; backward
+    if tiles > 1:  # recomputes one tile's gate, up and product, and makes one tile's gradients of them
+        dense = 1 - args.moe_layers / m.n_layers
+        per_block -= tokens * elem_bytes * (2 * ffn * SAVED_BYTES - dense * m.dim)
+        tiled = tokens * elem_bytes * ffn * (3 / tiles - 2 * (1 - 1 / tiles))
     fp8_on = cfg.training.fp8 != "none"
     # FP8 linears keep their inputs cast; a "pointwise" block recomputes those casts, and the matmuls' outputs it
     # keeps are in the compute dtype: the 14B's peak, FP8 with "pointwise" and with selective, decided it.
@@ -330,7 +329,7 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     # In backward, once the loss's tensors are freed: the gradients a block's backward makes besides what it keeps
     # (of its output, and the FFN's gate and up), on top of one recomputed block when blocks are checkpointed.
     recompute = ((per_block + probs) * fp8 + moe + lse) if recomputed else 0.0
-    recompute += tokens * block_backward_bytes(args, elem_bytes, imbalance) + cp_buffers(cfg, micro, elem_bytes)
+    recompute += tokens * block_backward_bytes(args, elem_bytes, imbalance) + tiled + cp_buffers(cfg, micro, elem_bytes)
     return Activations(saved, loss, recompute, offloaded, held)
 
 

@@ -214,6 +214,14 @@ class Decoder(nn.Module):
         for m in self.moe_modules().values():
             m.update_bias(rate)
 
+    def tile_feed_forward(self, tiles: int) -> None:
+        """The memory lever's sequence tiling: each block's dense feed-forward runs its sequence in `tiles` pieces,
+        each recomputed in backward from its input (parts.FeedForward; a mixture of experts is not tiled)."""
+        for block in self.layers.values():
+            for module in block.modules():
+                if isinstance(module, FeedForward) and not any(isinstance(m, MoE) for m in block.modules()):
+                    module.sequence_tiles = tiles
+
     def compile_regions(self) -> None:
         """Regional compilation: each block (identical code, compiled once) and the loss head (the whole loss, or the
         unit of a chunked one). Keeps parameter names, composes with FSDP2's per-block hooks, compiles in seconds."""

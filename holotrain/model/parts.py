@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from holotrain.model.args import ModelArgs
@@ -162,7 +163,17 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.mlp_bias)  # up
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=args.mlp_bias)  # down
 
+    sequence_tiles = 1  # > 1: the memory lever's sequence tiling (Decoder.tile_feed_forward)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_tiles > 1 and torch.is_grad_enabled() and x.shape[-2] >= self.sequence_tiles:
+            # Arctic's tiled MLP: each tile of the sequence keeps only its input, and backward recomputes its gate,
+            # up and product, so one tile's [tokens / tiles, ffn_dim] tensors are alive at a time, not the sequence's.
+            return torch.cat([checkpoint(self.swiglu, tile, use_reentrant=False)
+                              for tile in x.chunk(self.sequence_tiles, dim=-2)], dim=-2)
+        return self.swiglu(x)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
         return self.w2(F.silu(gate) * up)
 

@@ -71,7 +71,8 @@ from pathlib import Path
 from holotrain.config import Config
 from holotrain.errors import ConfigError
 from holotrain.memory.activation_checkpointing import POLICIES, checkpointed_blocks, pointwise_blocks, recompute_share
-from holotrain.memory.plan import activations, grouped_gemms_kept
+from holotrain.memory.activation_checkpointing import grouped_gemms_kept
+from holotrain.memory.plan import activations
 from holotrain.model.args import ModelArgs
 from holotrain.parallel.dims import ParallelDims
 from holotrain.model.costs import (ATTENTION_FORWARD_SHARE, block_active_params, block_params, expert_flops_per_token,
