@@ -145,3 +145,16 @@ def test_a_disk_without_room_for_one_checkpoint_is_refused_before_the_first_step
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "has 0.1 MB free, and one checkpoint of this job takes" in proc.stderr
     assert not (tmp_path / "run" / "config.toml").exists()
+
+
+def test_a_key_added_since_the_run_was_saved_counts_as_its_default():
+    """A run saved before a config key existed resumes when the job leaves that key at its default; a job that sets
+    it otherwise is another job."""
+    from holotrain.config import Config
+
+    job = Config().to_dict()
+    saved = {section: dict(keys) for section, keys in job.items() if isinstance(keys, dict)}
+    del saved["model"]["router_bias_rate"], saved["memory"]["ffn_tiles"]
+    assert differences(saved, job, None, b"") == []
+    job["model"]["router_bias_rate"] = 0.01
+    assert differences(saved, job, None, b"") == ["model.router_bias_rate: 0.001 -> 0.01"]

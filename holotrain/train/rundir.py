@@ -101,15 +101,19 @@ def implied_model(section: dict) -> dict:
 
 
 def differences(saved: dict, job: dict, saved_tokenizer: bytes | None, job_tokenizer: bytes) -> list[str]:
-    """`section.key: saved -> this job's` for every owned key that differs, the tokenizer included."""
+    """`section.key: saved -> this job's` for every owned key that differs, the tokenizer included. A key the saved
+    config lacks (one a later holotrain added) had its default then."""
+    from holotrain.config import Config
+
     out = []
     saved = {**saved, "model": implied_model(saved.get("model", {}))}
+    defaults = Config().to_dict()
     for section in OWNED_SECTIONS:
         keys = sorted(set(saved.get(section, {})) | set(job.get(section, {})))
         for key in keys:
             if key in IGNORED_MODEL_KEYS:
                 continue
-            old, new = saved.get(section, {}).get(key), job.get(section, {}).get(key)
+            old, new = saved.get(section, {}).get(key, defaults.get(section, {}).get(key)), job.get(section, {}).get(key)
             if key == "init_from":
                 old, new = _path(old), _path(new)
             if _normal(old) != _normal(new):
