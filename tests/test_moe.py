@@ -174,6 +174,31 @@ def test_grouped_gemms_equal_the_reference_loop():
     assert torch.allclose(gx, rx, atol=1e-4)
 
 
+def test_grouped_gemms_with_aligned_groups_equal_the_reference_loop():
+    """An mm that wants each expert's rows a multiple of 16 (FP8's scaled grouped GEMM) gets them padded: the same
+    outputs and gradients (inputs and all three weights) as the unpadded loop, groups of 0, 1, 16 and 17 rows."""
+    seen = []
+
+    def aligned_mm(a, b_t, offs):
+        seen.append(offs.clone())
+        assert (offs % 16 == 0).all(), offs
+        return torch._grouped_mm(a, b_t, offs=offs)
+
+    aligned_mm.row_alignment = 16
+    torch.manual_seed(0)
+    counts = torch.tensor([17, 0, 1, 16, 5])
+    x = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    ws = [torch.randn(5, 8, 16, requires_grad=True), torch.randn(5, 8, 16, requires_grad=True),
+          torch.randn(5, 16, 8, requires_grad=True)]
+    grads = []
+    for kwargs in (dict(grouped=False), dict(grouped=True, mm=aligned_mm)):
+        y = grouped_swiglu(x, counts, *ws, **kwargs)
+        grads.append([y, *torch.autograd.grad(y.square().sum(), [x, *ws])])
+    assert len(seen) == 3 and seen[0].tolist() == [32, 32, 48, 64, 80]
+    for ref, got in zip(*grads):
+        assert got.shape == ref.shape and torch.allclose(got, ref, rtol=1e-4, atol=1e-3)
+
+
 def test_aux_losses_equal_their_formulas():
     scores = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.5, 0.1, 0.4], [0.2, 0.2, 0.6]])
     counts = torch.tensor([3, 2, 3])  # top-2 of each row: (0, 1), (1, 2), (0, 2), (2, 0)

@@ -73,7 +73,8 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
     w2[e] (silu(w1[e] x) * w3[e] x): [M, D]. `grouped` (None: on CUDA in bf16) runs three grouped GEMMs over all
     experts with the row counts' offsets and no host synchronization: `mm(a, b_t, offs)`, torch._grouped_mm unless
     a lever gives another (the FP8 lever's scaled grouped GEMM); else the reference: a loop over the experts' row
-    blocks (torch.split at the counts, read on the host)."""
+    blocks (torch.split at the counts, read on the host). An `mm` with a `row_alignment` attribute (FP8's GEMMs
+    want each expert's rows a multiple of 16) gets the rows padded once for the three GEMMs (pad_groups)."""
     if grouped is None:
         grouped = x.is_cuda and x.dtype == torch.bfloat16
     # In x's dtype whatever autocast says (it would run the grouped GEMMs in fp32): the weights cast to it.
@@ -81,13 +82,33 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
         w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
         if grouped:
             mm = mm or _grouped_mm
+            align = getattr(mm, "row_alignment", 1)
+            rows = None
+            if align > 1:
+                x, counts, rows = pad_groups(x, counts, align)
             offs = counts.cumsum(0).to(torch.int32)
             gate = mm(x, w1.transpose(-2, -1), offs)
             up = mm(x, w3.transpose(-2, -1), offs)
-            return mm(F.silu(gate) * up, w2.transpose(-2, -1), offs)
+            out = mm(F.silu(gate) * up, w2.transpose(-2, -1), offs)
+            return out if rows is None else out[rows]
         parts = [F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, b), c)
                  for rows, a, b, c in zip(x.split(counts.tolist()), w1, w3, w2)]
         return torch.cat(parts) if parts else x.new_zeros(0, w2.shape[1])
+
+
+def pad_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows x [M, D] sorted into groups of `counts` rows, each group moved to start at a multiple of `align` with
+    zero rows after it: (the padded rows, the padded counts, each original row's index in the padded rows, with
+    which padded[rows] is x again). The padded tensor has the static size M + E * (align - 1), so nothing is read on
+    the host; the rows past the last group are zeros that no GEMM reads. Zero rows add nothing to a weight's
+    gradient and their outputs are dropped."""
+    n_rows, n_groups = x.shape[0], counts.numel()
+    padded = (counts + align - 1) // align * align
+    group = torch.repeat_interleave(torch.arange(n_groups, device=x.device), counts, output_size=n_rows)
+    shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)
+    rows = torch.arange(n_rows, device=x.device) + shift[group]
+    out = x.new_zeros(n_rows + n_groups * (align - 1), x.shape[1]).index_put((rows,), x)
+    return out, padded, rows
 
 
 def _grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

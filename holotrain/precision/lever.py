@@ -157,8 +157,12 @@ class Precision:
             return
 
         def fp8_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-            return _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, out_dtype=a.dtype)
+            return _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, out_dtype=a.dtype,
+                                                          pad_token_groups_for_grouped_mm=False)
 
+        # The scaled grouped GEMM wants each expert's rows a multiple of 16 (its own padding is not built in
+        # torchao 0.18): model/moe.py pads them once for the three GEMMs.
+        fp8_grouped_mm.row_alignment = 16
         model.hooks.install("grouped_mm", fp8_grouped_mm, "precision")
         self.experts = f"the experts of {len(moe)} mixture-of-experts layers in FP8 rowwise grouped GEMMs"
 
