@@ -5,6 +5,7 @@ import math
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,8 @@ def losses(run_dir):
 def reference_run(tmp_path_factory):
     """An uninterrupted 40-step run that the interrupted ones must reproduce exactly."""
     run_dir = tmp_path_factory.mktemp("reference")
-    run_cli("train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2}))
+    proc = run_cli("train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 2}))
+    (run_dir.parent / "reference-stdout.txt").write_text(proc.stdout)
     return run_dir
 
 
@@ -364,6 +366,9 @@ def test_goodput_accounts_for_the_whole_process(reference_run):
     last = read_metrics(reference_run)[-1]
     assert last["goodput"] > 0 and last["goodput.wall_s"] <= g["goodput.wall_s"]
     assert 'id="goodput"' in (reference_run / "report.html").read_text()
+    # The first step's time is said as soon as it is known (a large model's can take minutes).
+    assert re.search(r"^holotrain: step 1 took \d+\.\d s \(compilation and warm-up\)$",
+                     (reference_run.parent / "reference-stdout.txt").read_text(), re.M)
 
 
 def test_resume_from_an_in_memory_snapshot_after_sigkill(reference_run, tmp_path):

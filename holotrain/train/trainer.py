@@ -380,6 +380,8 @@ def _steps(cfg, env, data, train_step, profiler, checkpointer, hardware, logger,
             if cuda:
                 torch.cuda.synchronize(env.device)
             goodput.first_step_s = time.perf_counter() - t_step
+            if env.is_main:  # a large model's first step can take minutes: say where the time went at once
+                print(f"holotrain: step {done} took {goodput.first_step_s:.1f} s (compilation and warm-up)", flush=True)
             checkpointer.prepare(optimizer)  # the optimizer's state exists now
             profiler.first_step_done()
         profiler.after(done)
