@@ -47,6 +47,39 @@ def test_offloaded_blocks_give_the_same_gradients(compiled):
     assert {key: slot.host.data_ptr() for key, slot in offload._slots.items()} == buffers
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_checkpointed_blocks_offload_their_inputs_alone(compiled):
+    """With every block recomputed ("full"), an offloaded block keeps only its input on the host: B x T x dim values
+    a block (the rotary tables and the mask, every block's, stay put), as the memory plan counts them, and the
+    gradients are those of checkpointing alone, bit for bit."""
+    from holotrain.config import load_config, resolve
+    from holotrain.memory.activation_checkpointing import apply_activation_checkpointing
+    from holotrain.memory.plan import activations
+
+    torch.manual_seed(0)
+    model = build(ARGS)
+    apply_activation_checkpointing(model, "full")
+    if compiled:
+        model.compile_regions()
+    batches = [torch.randint(0, ARGS.vocab_size, (2, 33)) for _ in range(2)]
+    doc_ids = (torch.arange(32) >= 20).long().expand(2, 32)  # packed rows: per-token rotary tables, a mask
+    want_losses, want = _grads(model, batches)
+    # Every tensor, but for the CPU generator's state (5,056 bytes) that a compiled checkpoint saves (a GPU's: 16).
+    offload = ActivationOffload(2, ARGS.n_layers, torch.device("cpu"), min_bytes=8192 if compiled else 0)
+    got_losses, got = _grads(model, batches, offload)
+    assert got_losses == want_losses and all(torch.equal(got[n], want[n]) for n in want)
+    assert offload.host_bytes == 2 * 2 * 32 * ARGS.dim * 4, [s.host.shape for s in offload._slots.values()]
+    model.hooks.install("run_block", offload.run_block, "memory")
+    model(batches[0][:, :-1], batches[0][:, 1:], doc_ids).backward()
+    assert offload.host_bytes == 2 * 2 * 32 * ARGS.dim * 4, [s.host.shape for s in offload._slots.values()]
+
+    cfg = resolve(load_config(None, ["--model.dim=64", "--model.n_layers=3", "--model.n_heads=4", "--model.n_kv_heads=2",
+                                     "--model.ffn_dim=176", "--data.seq_len=32", "--training.batch_size=2",
+                                     "--training.dtype=fp32", "--memory.activation_checkpointing=full",
+                                     "--memory.activation_offload_blocks=2"]), tokenizer_vocab=256)
+    assert activations(cfg, 2, 4, 0, attention_probs=True).offloaded == offload.host_bytes
+
+
 def test_training_offloads_through_the_config(tmp_path):
     size = {"model.dim": 256, "model.ffn_dim": 704, "data.seq_len": 128, "training.steps": 2,
             "checkpoint.every": 0, "memory.activation_offload_blocks": 1}  # saved tensors of 1-3 MB: offloaded
@@ -127,7 +160,8 @@ def test_gpu_offloaded_blocks_lower_the_peak_and_keep_the_gradients():
 def test_copy_exposure_and_the_plans_choices():
     """The copies back are hidden while the blocks above take longer than them; a setting whose copies out outlast
     the forward does not fit (its memory would not be free at the peak). The plan offers the first eighth and
-    quarter of the blocks, without optimizer offload or activation checkpointing, on a GPU."""
+    quarter of the blocks without activation checkpointing, and with "full" any number up to all (their inputs), without
+    optimizer offload, on a GPU."""
     from holotrain.memory.activation_offload import BACK_BYTES_S, exposed_copy_s
     from holotrain.plan.cost import Calibration, Machine, predict, with_settings
     from holotrain.plan.planner import enumerate_candidates, job_config
@@ -145,10 +179,18 @@ def test_copy_exposure_and_the_plans_choices():
     cfg = job_config("1.4b", ["--training.batch_size=16"])
     cands = enumerate_candidates(cfg, gpu)
     moved = [c for c in cands if c.settings["memory.activation_offload_blocks"]]
-    assert {c.settings["memory.activation_offload_blocks"] for c in moved} == {3, 6}
-    assert all(not c.settings["memory.offload"] and c.settings["memory.activation_checkpointing"] == "none"
+    plain = {c.settings["memory.activation_offload_blocks"] for c in moved
+             if c.settings["memory.activation_checkpointing"] == "none"}
+    inputs = {c.settings["memory.activation_offload_blocks"] for c in moved
+              if c.settings["memory.activation_checkpointing"] == "full"}
+    assert plain == {3, 6} and inputs == {3, 6, 12, 18, 24}
+    assert all(not c.settings["memory.offload"] and (c.settings["memory.activation_checkpointing"] == "none"
+                                                     or (c.settings["memory.activation_checkpointing"] == "full"
+                                                         and not c.settings["memory.activation_checkpointing_blocks"]))
                for c in moved)
     assert any("activations of 3 blocks on the host" in c.label for c in moved)
+    # At T = 2048 no feed-forward is tiled (TILE_TOKENS).
+    assert all(c.settings["memory.ffn_tiles"] == 1 for c in cands)
     cpu = Machine("cpu", "test", None, None, 16e9, 50e9, None, 1e8, 5e9, None, False)
     assert not any(c.settings["memory.activation_offload_blocks"] for c in enumerate_candidates(cfg, cpu))
 

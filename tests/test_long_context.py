@@ -18,10 +18,41 @@ def test_auto_checkpointing_recomputes_only_at_long_sequences(capsys):
         assert cfg.memory.activation_checkpointing == "auto"
         chosen[seq_len] = checkpointing_choice(cfg, gpu, batch, 1, gpu_capacity=140e9, host_capacity=100e9)
         # Too little memory for any choice: "full" on every block, which the memory check then refuses.
-        assert checkpointing_choice(cfg, gpu, batch, 1, gpu_capacity=10e9, host_capacity=100e9) == ("full", 0)
-    assert chosen[2048] == ("none", 0)
-    policy, blocks = chosen[131072]
+        assert checkpointing_choice(cfg, gpu, batch, 1, gpu_capacity=10e9, host_capacity=100e9) == {
+            "activation_checkpointing": "full", "activation_checkpointing_blocks": 0}
+    assert chosen[2048] == {"activation_checkpointing": "none", "activation_checkpointing_blocks": 0}
+    policy, blocks = chosen[131072]["activation_checkpointing"], chosen[131072]["activation_checkpointing_blocks"]
     assert recompute_share(policy, 24, blocks=blocks) > 0
     # The least recomputation: "full" on every block would fit too, and costs more.
     assert recompute_share(policy, 24, blocks=blocks) < recompute_share("full", 24)
     assert "memory.activation_checkpointing = auto -> none" in capsys.readouterr().out
+
+
+def test_auto_adds_tiles_then_offloaded_inputs_where_recomputation_alone_does_not_fit(capsys):
+    """The 1.4b at T = 1,048,576 on a 140 GB GPU: "full" alone does not fit, so the feed-forwards are tiled (64 tiles
+    of 16,384 tokens) and the inputs of as few blocks as fit wait on the host (the rest stay on the GPU); the plan
+    of that choice fits GPU and host. A job that sets memory.ffn_tiles itself keeps it and gets no extras."""
+    from holotrain.model import build
+    from holotrain.memory.plan import plan_memory
+    from holotrain.train.resolve import model_args
+
+    gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    capacity = dict(gpu_capacity=140e9, host_capacity=110e9)
+    cfg = resolve(load_config("1.4b", ["--data.seq_len=1048576", "--training.batch_size=1"]), tokenizer_vocab=32000)
+    chosen = checkpointing_choice(cfg, gpu, 1, 1, **capacity)
+    assert chosen["activation_checkpointing"] == "full" and chosen["ffn_tiles"] == 64
+    assert 0 < chosen["activation_offload_blocks"] < 24
+    fewer = dict(chosen, activation_offload_blocks=chosen["activation_offload_blocks"] - 1)
+    with torch.device("meta"):
+        model = build(model_args(cfg))
+    for settings, fits in ((chosen, True), (fewer, False)):
+        trial = resolve(load_config("1.4b", ["--data.seq_len=1048576", "--training.batch_size=1"]
+                                    + [f"--memory.{k}={v}" for k, v in settings.items()]), tokenizer_vocab=32000)
+        plan = plan_memory(model, trial, 1, gpu.device, 1, 1, **capacity)
+        assert (plan.gpu_fits and plan.host_fits) == fits, (settings, plan.gpu_need / 1e9)
+    assert "memory.ffn_tiles = 64, memory.activation_offload_blocks" in capsys.readouterr().out
+
+    held = resolve(load_config("1.4b", ["--data.seq_len=1048576", "--training.batch_size=1", "--memory.ffn_tiles=8"]),
+                   tokenizer_vocab=32000)
+    assert checkpointing_choice(held, gpu, 1, 1, **capacity) == {"activation_checkpointing": "full",
+                                                                 "activation_checkpointing_blocks": 0}

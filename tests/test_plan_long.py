@@ -248,3 +248,25 @@ def test_the_machine_probe_leaves_attention_to_its_prior_on_a_cpu():
     cpu = Machine("cpu", "test", None, None, 16e9, 50e9, None, 1e8, 5e9, None, False)
     assert cpu.attention_rate == ATTENTION_SHARE["cpu"] * 50e9
     assert _machine().attention_rate == pytest.approx(0.62 * H200["gemm_flops"])
+
+
+def test_one_h200_at_1m_gets_tiles_and_offloaded_inputs():
+    """The 1.4b at T = 1,048,576 on the H200's probe: only "full" with the feed-forwards tiled and block inputs on the
+    host fits (the plan's long-sequence levers), and the planner's best fitting setting is one of those."""
+    from holotrain.plan.cost import Calibration, predict, with_settings
+    from holotrain.plan.planner import enumerate_candidates
+
+    machine = _machine()
+    cfg, model = _job(1048576)
+    cands = [c for c in enumerate_candidates(cfg, machine) if c.settings["training.fp8"] == "none"
+             and c.settings["training.compile"] and not c.settings["memory.offload"]]
+    for c in cands:
+        c.predicted = predict(model, with_settings(cfg, c.settings), machine, Calibration(), c.micro, c.accum)
+    fitting = [c for c in cands if c.predicted.fits]
+    assert fitting and all(c.settings["memory.ffn_tiles"] == 64 and c.settings["memory.activation_offload_blocks"]
+                           for c in fitting)
+    best = max(fitting, key=lambda c: c.predicted.tokens_per_s)
+    assert "feed-forward in 64 tiles" in best.label and "blocks on the host" in best.label
+    # Fewer blocks on the host recompute nothing less: the tiled run with the most blocks on the GPU is the best.
+    assert best.settings["memory.activation_offload_blocks"] == min(
+        c.settings["memory.activation_offload_blocks"] for c in fitting)

@@ -22,6 +22,7 @@ blocks").
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -67,6 +68,21 @@ def checkpointing_choices(n_layers: int) -> list[tuple[str, int]]:
     some = sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4} - {0, n_layers})
     return ([(policy, 0) for policy in POLICIES] + [("pointwise", b) for b in some]
             + [("full", b) for b in some if b != n_layers // 2])
+
+
+# A tiled feed-forward's tile (memory.ffn_tiles): the 1.4b's gate, up and product of 16384 tokens are 0.55 GB, and
+# its GEMMs are still thousands of rows tall.
+TILE_TOKENS = 16384
+
+
+def long_sequence_choices(n_layers: int, seq_len: int) -> list[dict]:
+    """Past what recomputation alone fits, the memory section's settings to try in turn: every block recomputed, its
+    feed-forward tiled over the sequence (memory.ffn_tiles) where the sequence is longer than TILE_TOKENS, then the
+    inputs of the first 1, 2, ... n_layers blocks on the host (memory.activation_offload_blocks): the GPU keeps as
+    many as it holds."""
+    tiles = max(1, math.ceil(seq_len / TILE_TOKENS))
+    return [{"activation_checkpointing": "full", "activation_checkpointing_blocks": 0, "ffn_tiles": tiles,
+             "activation_offload_blocks": k} for k in range(n_layers + 1)]
 
 
 def recompute_share(policy: str, n_layers: int, blocks_share: float = 1.0, blocks: int = 0) -> float:

@@ -2,7 +2,9 @@
 
 `memory.activation_offload_blocks = N` applies to blocks 0..N-1. Their GPU memory is free at the step's peak, the
 end of forward, and nothing is recomputed: the cost is PCIe traffic, which overlaps compute on copy streams of its
-own. The 1.4b at micro-batch 16 keeps about 2.2 GB per block for backward, and the link moves that in about 45 ms;
+own. A block recomputed whole (activation checkpointing "full") saves only its input, which then waits on the host:
+at long sequences, where one [B, T, dim] input per block is most of the memory, the blocks' inputs beyond what the
+GPU holds go there (Arctic's offloaded checkpoints), their copies small beside the block's attention. The 1.4b at micro-batch 16 keeps about 2.2 GB per block for backward, and the link moves that in about 45 ms;
 the whole forward takes about 140 ms, the backward of the blocks above the offloaded ones twice that.
 
 How: the model runs each block through `run_block` (Llama.around_block), outside the block's compiled region. An
@@ -95,6 +97,7 @@ class ActivationOffload:
         self._packed: dict[int, list[_Packed]] = {}  # block -> its tensors of the last forward, until fetched
         self._block = 0
         self._count = 0
+        self._shared: set[int] = set()
         if self.cuda:
             self._offload_stream = torch.cuda.Stream(device)
             self._fetch_stream = torch.cuda.Stream(device)
@@ -109,6 +112,8 @@ class ActivationOffload:
         if index < self.n_blocks and torch.is_grad_enabled():
             self._block, self._count = index, 0
             self._packed[index] = []
+            # The block's other inputs (the rotary tables, the document mask) are every block's: they stay put.
+            self._shared = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = block(h, *args)
         else:
@@ -121,7 +126,7 @@ class ActivationOffload:
     # ---- forward
     def _pack(self, t: torch.Tensor):
         if (isinstance(t, torch.nn.Parameter) or t.device != self.device or t.numel() * t.element_size() < self.min_bytes
-                or not _dense(t)):
+                or not _dense(t) or t.untyped_storage().data_ptr() in self._shared):
             return t
         slot = self._slot(t)
         if self.cuda:

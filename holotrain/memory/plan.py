@@ -286,9 +286,10 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     lean_at = set(pointwise_blocks(ac, m.n_layers, blocks))
     recomputed, lean = len(recomputed_at), len(lean_at)
     plain = m.n_layers - recomputed - lean
-    # Activation offload moves what the first blocks save to the host. A checkpointed block's saved tensors are its
-    # checkpoint's (in eager mode also a "pointwise" block's), which the offload's hooks do not see: counted kept.
-    plain_off = len(set(range(cfg.memory.activation_offload_blocks)) - recomputed_at - lean_at)
+    # Activation offload moves what the first blocks save to the host: all of a plain block's, a checkpointed block's
+    # input. A "pointwise" block's kept outputs are its checkpoint's own (eager), which the hooks do not see: kept.
+    off_at = set(range(cfg.memory.activation_offload_blocks))
+    plain_off, inputs_off = len(off_at - recomputed_at - lean_at), len(off_at & recomputed_at)
     tiles = getattr(cfg.memory, "ffn_tiles", 1)
     tiled = 0.0  # sequence-tiled feed-forwards: per block, the tiles' inputs kept in place of gate and up; backward
     if tiles > 1:  # recomputes one tile's gate, up and product, and makes one tile's gradients of them
@@ -311,7 +312,7 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
         return (n_plain * ((per_block + probs) * fp8 + moe + lse)
                 + n_lean * (per_block * lean_share + moe_lean + probs + lse) + (n_plain + n_lean) * cast)
 
-    offloaded = kept(plain_off, 0)
+    offloaded = kept(plain_off, 0) + inputs_off * tokens * elem_bytes * m.dim
     saved = kept(plain, lean) - offloaded + recomputed * tokens * elem_bytes * m.dim
     # Held by every block until the end of backward: cos and sin gathered per token (positions restart per document),
     # and the whole row's document mask, dense on a CPU, block-sparse on a GPU.

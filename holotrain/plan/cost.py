@@ -258,6 +258,9 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     # its memory-bound share), and the forward of their attention.
     recompute_gemm_s = matmul_time(gemm_s * recompute_share(ac, m.n_layers, blocks_share, ac_blocks), t.fp8,
                                    calib.fp8_gain)
+    if cfg.memory.ffn_tiles > 1:  # each tile's gate and up run again in its backward: 2 * 2 * dim * ffn a token
+        tiled = 4 * m.dim * m.ffn_dim * (m.n_layers - args.moe_layers) / linear
+        recompute_gemm_s += matmul_time(gemm_s * tiled, t.fp8, calib.fp8_gain)
     whole = len(checkpointed_blocks(ac, m.n_layers, ac_blocks)) / m.n_layers
     mode = cp_mode(cfg) if cp > 1 else ""
     attention_s = attention_seconds(args, seq, tokens / ranks, machine.attention_rate, calib.attention_density,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, parse_overrides, resolve
-from holotrain.memory.activation_checkpointing import checkpointing_choices
+from holotrain.memory.activation_checkpointing import TILE_TOKENS, checkpointing_choices
 from holotrain.memory.plan import usable_cores
 from holotrain.parallel.dims import ParallelDims
 from holotrain.model import build
@@ -79,6 +79,8 @@ class Candidate:
             parts.append(f"offload {s['memory.offload_ratio']:g}")
         if s.get("memory.activation_offload_blocks"):
             parts.append(f"activations of {s['memory.activation_offload_blocks']} blocks on the host")
+        if s.get("memory.ffn_tiles", 1) > 1:
+            parts.append(f"feed-forward in {s['memory.ffn_tiles']} tiles")
         if s.get("training.fp8", "none") != "none":
             parts.append("fp8")
         if s.get("memory.loss_chunk_tokens"):
@@ -122,7 +124,7 @@ def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
 PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing",
                 "memory.activation_checkpointing_blocks", "memory.offload", "memory.offload_ratio", "training.compile",
                 "memory.loss_chunk_tokens", "training.fp8", "parallel.tp", "parallel.tp_overlap",
-                "memory.activation_offload_blocks", "parallel.cp", "parallel.cp_mode", "parallel.ep")
+                "memory.activation_offload_blocks", "memory.ffn_tiles", "parallel.cp", "parallel.cp_mode", "parallel.ep")
 
 
 def held_settings(cfg: Config, overrides: list[str]) -> dict:
@@ -183,10 +185,12 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
     if gpu and machine.fp8 and t.fp8 == "rowwise":
         fp8s.append(t.fp8)
     compiles = [True, False] if gpu else [t.compile]
-    # Activation offload of the first eighth or quarter of the blocks: on a GPU, where the PCIe link is not the
-    # optimizer offload's, and without activation checkpointing (whose saved tensors its hooks do not see).
+    # Activation offload of the first blocks, on a GPU, where the PCIe link is not the optimizer offload's: an eighth
+    # or a quarter of them without activation checkpointing (all they save), up to every block with "full" (only
+    # their inputs: the long-sequence lever, with the feed-forwards tiled over the sequence or not).
     n = cfg.model.n_layers
-    moved = [0] + (sorted({n // 8, n // 4} - {0}) if gpu else [])
+    light = {n // 8, n // 4} - {0}
+    moved = [0] + (sorted(light | {n // 2, 3 * n // 4, n}) if gpu else [])
     # Expert parallelism (a mixture of experts) only without tensor and context parallelism (parallel/config.py).
     args = model_args(cfg)
     layouts = [(1, "none", 1, "auto", 1)] if ranks == 1 else [
@@ -198,7 +202,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             layouts, checkpointing_choices(cfg.model.n_layers), offloads, fp8s, compiles, (0, 8192), moved):
         if chunk and (ac != "none" or tp > 1):
             continue  # chunked already under activation checkpointing (auto); TP's vocabulary-parallel loss never is
-        if act_off and (offload or tp > 1 or cp > 1 or ac != "none"):
+        whole = ac == "full" and not blocks
+        if act_off and (offload or tp > 1 or cp > 1 or not (whole or (ac == "none" and act_off in light))):
             continue
         if tp > 1 and (offload or fp8 == "delayed" or (fp8 != "none" and overlap != "none")):
             continue  # combinations the trainer refuses (config.validate)
@@ -208,7 +213,10 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
         if t.batch_size % dp:
             continue
         per_rank = t.batch_size // dp
-        for micro in (m for m in range(1, min(per_rank, MAX_MICRO) + 1) if per_rank % m == 0):
+        tiles = [1] + ([math.ceil(cfg.data.seq_len / cp / TILE_TOKENS)] if whole and tp == 1 and gpu
+                       and cfg.data.seq_len / cp > TILE_TOKENS else [])
+        for micro, tile in ((m, k) for m in range(1, min(per_rank, MAX_MICRO) + 1) if per_rank % m == 0
+                            for k in tiles):
             if chunk and micro * cfg.data.seq_len // cp <= chunk:
                 continue  # a micro-batch of one piece: the same step as the unchunked loss
             if delayed and dp == 1 and micro != per_rank:
@@ -216,7 +224,7 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
                         "memory.activation_checkpointing_blocks": blocks, "memory.offload": offload,
                         "memory.offload_ratio": ratio, "training.compile": compiled, "memory.loss_chunk_tokens": chunk,
-                        "memory.activation_offload_blocks": act_off}
+                        "memory.activation_offload_blocks": act_off, "memory.ffn_tiles": tile}
             if gpu:
                 settings["training.fp8"] = fp8
             if ranks > 1:

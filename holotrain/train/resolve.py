@@ -212,8 +212,8 @@ def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_ru
 
 def _resolve_checkpointing(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
     if cfg.memory.activation_checkpointing == "auto":
-        cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks = checkpointing_choice(
-            cfg, env, micro, accum)
+        for key, value in checkpointing_choice(cfg, env, micro, accum).items():
+            setattr(cfg.memory, key, value)
 
 
 def with_checkpointing(cfg: Config, env: DistEnv) -> Config:
@@ -221,46 +221,57 @@ def with_checkpointing(cfg: Config, env: DistEnv) -> Config:
     resolved only the config sections (the benchmarks build models straight from a preset)."""
     if cfg.memory.activation_checkpointing != "auto":
         return cfg
-    policy, blocks = checkpointing_choice(cfg, env, *batch_layout(cfg, data_parallel_size(cfg, env)))
-    return dataclasses.replace(cfg, memory=dataclasses.replace(
-        cfg.memory, activation_checkpointing=policy, activation_checkpointing_blocks=blocks))
+    chosen = checkpointing_choice(cfg, env, *batch_layout(cfg, data_parallel_size(cfg, env)))
+    return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **chosen))
 
 
-def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **capacity) -> tuple[str, int]:
+def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **capacity) -> dict:
     """memory.activation_checkpointing = "auto": of the policies (and their spreads over the blocks), the one with
-    the least recomputation that the memory plan fits, agreed by all ranks; "full" if none fits, which the memory
-    check then refuses with the numbers. Long sequences are what make it matter: the 1.4b keeps every activation at
-    T = 2048 and recomputes blocks at T = 131072. `capacity`: plan_memory's, in place of this machine's."""
+    the least recomputation that the memory plan fits, agreed by all ranks, as the memory section's settings. Where
+    even "full" does not fit, and the job left memory.ffn_tiles and memory.activation_offload_blocks at their
+    defaults, the long-sequence levers in turn (activation_checkpointing.long_sequence_choices: feed-forwards tiled,
+    then as few blocks' inputs on the host as fit); "full" if nothing fits, which the memory check then refuses with
+    the numbers. Long sequences are what make it matter: the 1.4b keeps every activation at T = 2048 and recomputes
+    blocks at T = 131072. `capacity`: plan_memory's, in place of this machine's."""
     mem = cfg.memory
-    from holotrain.memory.activation_checkpointing import checkpointing_choices, recompute_share
+    from holotrain.memory.activation_checkpointing import checkpointing_choices, long_sequence_choices, recompute_share
 
     n_layers = cfg.model.n_layers
-    choices = sorted(checkpointing_choices(n_layers), key=lambda c: (recompute_share(c[0], n_layers, blocks=c[1]), c))
+    choices = [{"activation_checkpointing": policy, "activation_checkpointing_blocks": blocks}
+               for policy, blocks in sorted(checkpointing_choices(n_layers),
+                                            key=lambda c: (recompute_share(c[0], n_layers, blocks=c[1]), c))]
+    full = next(i for i, c in enumerate(choices) if c["activation_checkpointing"] == "full"
+                and not c["activation_checkpointing_blocks"])
+    # The long-sequence levers: where the job left them to the plan, on one GPU's sequence (no TP, CP or pipeline).
+    par = cfg.parallel
+    if mem.ffn_tiles == 1 and not mem.activation_offload_blocks and par.tp == par.pp == getattr(par, "cp", 1) == 1:
+        choices += long_sequence_choices(n_layers, cfg.data.seq_len)
     with torch.device("meta"):
         model = build(model_args(cfg))
     ratio = 1.0 if mem.offload and mem.offload_ratio == "auto" else None
-    pick, plan = len(choices) - 1, None
-    for i, (policy, blocks) in enumerate(choices):
-        trial = dataclasses.replace(cfg, memory=dataclasses.replace(
-            mem, activation_checkpointing=policy, activation_checkpointing_blocks=blocks))
+    pick, plan = full, None
+    for i, choice in enumerate(choices):
+        trial = dataclasses.replace(cfg, memory=dataclasses.replace(mem, **choice))
         plan = plan_memory(model, trial, env.world_size, env.device, micro, accum, ratio=ratio,
                            local_ranks=env.local_world_size, **capacity)
         if plan.gpu_fits and plan.host_fits:
             pick = i
             break
-    else:
-        pick = next(i for i, c in enumerate(choices) if c == ("full", 0))
     if env.world_size > 1:
         agreed = torch.tensor([pick], device=env.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         pick = int(agreed.item())
+    chosen = choices[pick]
     if env.is_main:
-        policy, blocks = choices[pick]
-        where = f" on {blocks} of {n_layers} blocks" if blocks else ""
+        blocks, tiles = chosen["activation_checkpointing_blocks"], chosen.get("ffn_tiles", 1)
+        moved = chosen.get("activation_offload_blocks", 0)
+        what = chosen["activation_checkpointing"] + (f" on {blocks} of {n_layers} blocks" if blocks else "")
+        what += f", memory.ffn_tiles = {tiles}" if tiles > 1 else ""
+        what += f", memory.activation_offload_blocks = {moved} (their inputs in host memory)" if moved else ""
         need = f": {plan.gpu_need / 1e9:.1f} of {plan.gpu_capacity / 1e9:.1f} GB" if plan and plan.gpu_capacity else ""
-        print(f"holotrain: memory.activation_checkpointing = auto -> {policy}{where} (the least recomputation the "
-              f"memory plan fits at {micro} x {cfg.data.seq_len} tokens per micro-batch{need})", flush=True)
-    return choices[pick]
+        print(f"holotrain: memory.activation_checkpointing = auto -> {what} (the least recomputation the memory plan "
+              f"fits at {micro} x {cfg.data.seq_len} tokens per micro-batch{need})", flush=True)
+    return chosen
 
 
 def _resolve_fp8(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
