@@ -56,3 +56,49 @@ def test_auto_adds_tiles_then_offloaded_inputs_where_recomputation_alone_does_no
                    tokenizer_vocab=32000)
     assert checkpointing_choice(held, gpu, 1, 1, **capacity) == {"activation_checkpointing": "full",
                                                                  "activation_checkpointing_blocks": 0}
+
+
+def test_the_8b_config_fits_an_h200_at_256k_and_needs_more_host_memory_at_512k():
+    """--config llama3-8b: the Llama 3 8B shape; by the memory plan on an H200 (140 GB, 120 GB of host memory) its
+    262,144 tokens fit with the levers "auto" picks, and 524,288 do not: every choice needs more host memory than
+    that (the offloaded optimizer's 112 GB and the block inputs the GPU cannot hold)."""
+    import dataclasses
+
+    from holotrain.memory.plan import plan_memory
+    from holotrain.model import build, num_params
+    from holotrain.train.resolve import model_args
+
+    gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    capacity = dict(gpu_capacity=140e9, host_capacity=120e9)
+    for seq_len, fits in ((262144, True), (524288, False)):
+        cfg = resolve(load_config("llama3-8b", [f"--data.seq_len={seq_len}"]), tokenizer_vocab=32000)
+        m = cfg.model
+        assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
+        chosen = checkpointing_choice(cfg, gpu, 1, 1, **capacity)
+        cfg.memory = dataclasses.replace(cfg.memory, **chosen)
+        with torch.device("meta"):
+            model = build(model_args(cfg))
+        assert 8.0e9 < num_params(model) < 8.1e9
+        plan = plan_memory(model, cfg, 1, gpu.device, 1, 1, ratio=1.0, **capacity)
+        assert (plan.gpu_fits and plan.host_fits) == fits, (seq_len, chosen, plan.gpu_need / 1e9, plan.host_need / 1e9)
+
+
+def test_attention_benchmark_runs_its_cpu_smoke(tmp_path):
+    """bench/long_attention.py on the CPU: both kernels timed at both lengths, checked against each other, and a
+    kernel that cannot run here said and skipped (flex_attention has no backward on the CPU)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, "bench/long_attention.py", "--device", "cpu", "--ts", "64,128", "--reps", "1",
+                           "--kernels", "math,flash,flex", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    rows = {(r["kernel"], r["T"]): r for r in result["rows"]}
+    assert set(rows) == {("math", 64), ("flash", 64), ("math", 128), ("flash", 128)}
+    assert rows[("flash", 64)]["max_abs_diff"] < 1e-4 and all(r["train_tflops"] > 0 for r in rows.values())
+    assert "backward" in result["skipped"]["flex"]

@@ -3,7 +3,8 @@
 # Usage (repo root, on the GPU machine): bash bench/gpu/memory.sh OUT_DIR PART [ARGS...]
 # Parts, one line each (the comment above each part_ function below gives the details and the environment knobs):
 #   offload [BUDGET_S] [STAGES]   bench/offload.py's trials (a) 1.4b, (b) 7b under 24 GiB, (c) 14b, cpu, test, in 530 s
-#   long_context [PARTS]          long T at batch 1, the plain compile loop beside it (holotrain,longdocs,7b,peer)
+#   long_context [PARTS]          long T at batch 1, the plain compile loop beside it (holotrain,longdocs,7b,8b,peer)
+#   attention [SHAPE] [TS]        bench/long_attention.py: causal attention's kernels at 32k-1M tokens, TFLOP/s each
 # Each part writes its logs, metrics and summaries into OUT_DIR (made if missing).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -102,6 +103,8 @@ part_offload() {
 #             PEER=compile-ac: the same loop with every block checkpointed (torch.utils.checkpoint), the fair peer at
 #             long T (PEER=compile, the default, keeps the loop without checkpointing).
 #  7b         `holotrain train --config 1.4b --model.preset=7b --data.seq_len=32768 --training.batch_size=1`.
+#  8b         the Llama 3 8B shape (--config llama3-8b: optimizer state offloaded) at each T of TS_8B (262144 524288),
+#             the memory levers "auto" picks (tiled feed-forwards, block inputs on the host where "full" does not fit).
 # PARTS, comma-separated (default holotrain,peer).
 #   env: TS="8192 32768 131072" STEPS=12 PEER_TS="8192 32768 49152 65536" LONG_TS="32768" EXTRA="" (more train arguments)
 part_long_context() {
@@ -150,6 +153,9 @@ PY
   if [[ $parts == *7b* ]]; then
     lc_run 7b-32768 --model.preset=7b --data.seq_len=32768
   fi
+  if [[ $parts == *8b* ]]; then
+    for T in ${TS_8B:-262144 524288}; do lc_run "8b-$T" --config llama3-8b --data.seq_len="$T" ${EXTRA:-}; done
+  fi
   if [[ $parts == *peer* ]]; then
     for T in ${PEER_TS:-8192 32768 49152 65536}; do
       logged "peer $T" "$out/peer-$T.log" 300 python3 bench/peers.py --preset 1.4b --seq-len "$T" --batch 1 --steps 6 \
@@ -173,6 +179,17 @@ for p in sorted(out.glob("peer-*.json"), key=lambda p: int(p.stem.split("-")[1])
     r = json.loads(p.read_text())["rows"][0]
     print(f"{p.stem:16} {r['tokens_per_s']:>9,.0f} {r['mfu']:>6.3f} {r['peak_mem_gb']:>8.1f} {r['step_ms'] / 1e3:>7.2f}")
 PY
+}
+
+# Causal attention over one long sequence by kernel (flash, cuDNN, memory-efficient, flex, flex with TMA loads),
+# forward and forward + backward, TFLOP/s by the causal count; SHAPE 1.4b (16/16 heads) or 8b (32/8), TS
+# comma-separated (default 32768,131072,524288,1048576; a kernel past 60 s a step is not tried longer).
+part_attention() {
+  local shape=${1:-1.4b} ts=${2:-32768,131072,524288,1048576}
+  cache_env
+  logged "attention $shape" "$out/attention-$shape.log" 560 python3 bench/long_attention.py --shape "$shape" \
+    --ts "$ts" --out "$out/attention-$shape.json"
+  grep "^long_attention" "$out/attention-$shape.log"
 }
 
 dispatch "$@"
