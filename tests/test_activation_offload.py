@@ -72,6 +72,12 @@ def test_checkpointed_blocks_offload_their_inputs_alone(compiled):
     model.hooks.install("run_block", offload.run_block, "memory")
     model(batches[0][:, :-1], batches[0][:, 1:], doc_ids).backward()
     assert offload.host_bytes == 2 * 2 * 32 * ARGS.dim * 4, [s.host.shape for s in offload._slots.values()]
+    # With the feed-forwards tiled too (the long-sequence set "auto" picks): the same gradients, the same host bytes.
+    model.tile_feed_forward(4)
+    tiled_losses, tiled = _grads(model, batches, offload)
+    assert tiled_losses == pytest.approx(want_losses, abs=1e-6)
+    assert all(torch.allclose(tiled[n], want[n], atol=1e-6, rtol=1e-5) for n in want)
+    assert offload.host_bytes == 2 * 2 * 32 * ARGS.dim * 4
 
     cfg = resolve(load_config(None, ["--model.dim=64", "--model.n_layers=3", "--model.n_heads=4", "--model.n_kv_heads=2",
                                      "--model.ffn_dim=176", "--data.seq_len=32", "--training.batch_size=2",
