@@ -293,16 +293,24 @@ def test_aux_loss_reaches_the_gradient_not_the_value():
         assert torch.equal(model(TOKENS), plain(TOKENS))
 
 
-def test_compiled_blocks_trace_whole_and_keep_the_aux_gradient():
+@pytest.mark.parametrize("aligned", [False, True])
+def test_compiled_blocks_trace_whole_and_keep_the_aux_gradient(aligned):
     """Each block compiled as the trainer does (block.compile; here fullgraph with aot_eager, and the grouped GEMMs
-    in bf16 as on a GPU): one graph for both blocks, no break, and eager's gradients with the auxiliary losses."""
+    in bf16 as on a GPU): one graph for both blocks, no break, and eager's gradients with the auxiliary losses. Also
+    with a grouped GEMM that wants aligned groups (FP8's: the rows padded by pad_groups)."""
     from torch._dynamo.utils import counters
 
+    def aligned_mm(a, b_t, offs):
+        return torch._grouped_mm(a, b_t, offs=offs)
+
+    aligned_mm.row_alignment = 16
     torch.manual_seed(0)
     args = _tiny(moe_aux_loss_coef=0.5, router_z_loss_coef=0.1)
     eager, compiled = build(args).bfloat16(), build(args).bfloat16()
     compiled.load_state_dict(eager.state_dict())
     for model in (eager, compiled):
+        if aligned:
+            model.hooks.install("grouped_mm", aligned_mm, "precision")
         for moe in model.moe_modules().values():
             moe.grouped = True
     for block in compiled.layers.values():
