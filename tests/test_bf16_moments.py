@@ -156,7 +156,7 @@ def test_bf16_moments_with_offload_is_one_config_error(tmp_path):
 
 def test_the_memory_plan_counts_four_bytes_a_parameter_less():
     from holotrain.errors import ConfigError
-    from holotrain.memory import plan
+    from holotrain.memory import fit, plan
     from holotrain.model import build
     from holotrain.plan.planner import job_config
     from holotrain.train.resolve import model_args
@@ -174,7 +174,7 @@ def test_the_memory_plan_counts_four_bytes_a_parameter_less():
     cfg = job_config("1.4b", [])
     capacity = (sizes["fp32"] + sizes["bf16"]) / 2
     with pytest.raises(ConfigError, match='memory.adamw_moments = "bf16" .*: fits'):
-        plan.check_fit(model, cfg, 1, torch.device("cuda"), 16, 1, gpu_capacity=capacity, host_capacity=500e9)
+        fit.check_fit(model, cfg, 1, torch.device("cuda"), 16, 1, gpu_capacity=capacity, host_capacity=500e9)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a GPU")

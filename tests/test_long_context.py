@@ -102,3 +102,23 @@ def test_attention_benchmark_runs_its_cpu_smoke(tmp_path):
     assert set(rows) == {("math", 64), ("flash", 64), ("math", 128), ("flash", 128)}
     assert rows[("flash", 64)]["max_abs_diff"] < 1e-4 and all(r["train_tflops"] > 0 for r in rows.values())
     assert "backward" in result["skipped"]["flex"]
+
+
+def test_a_long_job_that_sets_full_is_told_the_long_sequence_levers():
+    """memory.activation_checkpointing = "full" set by the job at T = 1,048,576: the refusal names the tiles and
+    the offloaded block inputs that make it fit."""
+    import pytest
+
+    from holotrain.config import ConfigError
+    from holotrain.memory.fit import check_fit
+    from holotrain.model import build
+    from holotrain.train.resolve import model_args
+
+    cfg = resolve(load_config("1.4b", ["--data.seq_len=1048576", "--training.batch_size=1",
+                                       "--memory.activation_checkpointing=full"]), tokenizer_vocab=32000)
+    with torch.device("meta"):
+        model = build(model_args(cfg))
+    with pytest.raises(ConfigError, match=r'memory.activation_checkpointing = "full", memory.ffn_tiles = 64, '
+                                          r'memory.activation_offload_blocks = 8 \(those blocks\' inputs in host '
+                                          r'memory\): fits'):
+        check_fit(model, cfg, 1, torch.device("cuda"), 1, 1, gpu_capacity=140e9, host_capacity=110e9)

@@ -650,7 +650,8 @@ def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
 def test_plan_numbers_for_a_7b_on_a_24_gib_gpu():
     """The fit check's arithmetic with given capacities (no GPU needed): 7B offloaded to a 24 GiB GPU."""
     from holotrain.config import load_config, resolve
-    from holotrain.memory.plan import check_fit, plan_memory
+    from holotrain.memory.fit import check_fit
+    from holotrain.memory.plan import plan_memory
     from holotrain.model import build
     from holotrain.train import model_args
 
@@ -690,7 +691,8 @@ def test_auto_offload_ratio_is_the_smallest_that_fits():
     Llama with a 141 GB GPU and 112 GB of host RAM, the whole machine of the offload benchmark), and the fit error
     when no ratio fits."""
     from holotrain.config import ConfigError, load_config, resolve
-    from holotrain.memory.plan import choose_offload_ratio, plan_memory
+    from holotrain.memory.fit import choose_offload_ratio
+    from holotrain.memory.plan import plan_memory
     from holotrain.model import build
     from holotrain.train import model_args
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from holotrain.memory import plan
+from holotrain.memory import fit, plan
 from holotrain.memory.activation_checkpointing import apply_activation_checkpointing
 from holotrain.memory.activation_offload import ActivationOffload
 from holotrain.optim import AdamWHyper, DeviceAdamW, StepOptimizer
@@ -48,7 +48,7 @@ class Memory:
         """memory.check_fit: refuses, with the numbers and what would fit, a plan that cannot fit GPU or host memory.
         The plan is the job's cost model, so it reads the whole resolved config (model shape, batch, dtype)."""
         if self.section.check_fit:
-            plan.check_fit(model, cfg, self.env.world_size, self.env.device, micro, accum,
+            fit.check_fit(model, cfg, self.env.world_size, self.env.device, micro, accum,
                            local_ranks=self.env.local_world_size)
 
     def apply(self, model: nn.Module, vocab_parallel_loss: bool = False) -> None:

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
-from holotrain.memory.plan import choose_offload_ratio, plan_memory
+from holotrain.memory.fit import choose_offload_ratio
+from holotrain.memory.plan import plan_memory
 from holotrain.model import ModelArgs, build, num_params
 from holotrain.model.registry import model_args as section_args
 from holotrain.parallel import DistEnv
