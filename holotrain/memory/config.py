@@ -14,7 +14,8 @@ class MemoryConfig(Section):
     # "none" | "full" (every block recomputed in backward) | "selective" (every other block) | "pointwise" (the
     # norms, rotary and SwiGLU products recomputed, no matmul); see holotrain/memory/activation_checkpointing.py.
     # true / false are accepted as "full" / "none". "auto": the least recomputation the memory plan fits (none at
-    # short sequences, more as they grow), chosen when the run starts and saved in its config.toml.
+    # short sequences, more as they grow), chosen when the run starts and saved in its config.toml; where "full"
+    # alone does not fit, also ffn_tiles and activation_offload_blocks below (if left at 1 and 0).
     activation_checkpointing: str | bool = "auto"
     # "full" or "pointwise" on this many blocks, spread evenly over the depth (0 = every block).
     activation_checkpointing_blocks: int = 0
@@ -40,7 +41,8 @@ class MemoryConfig(Section):
     # 0 = auto: 8192 with activation checkpointing (memory first), else the whole micro-batch at once.
     loss_chunk_tokens: int = 0
     # The first this many blocks keep their saved tensors in pinned host memory between forward and backward
-    # (memory/activation_offload.py): less GPU memory at the peak, no recompute, PCIe traffic instead.
+    # (memory/activation_offload.py): less GPU memory at the peak, no recompute, PCIe traffic instead. Under "full"
+    # checkpointing what they keep is their input: the long-sequence use.
     activation_offload_blocks: int = 0
     # Each block's feed-forward runs the sequence in this many tiles, each recomputed in backward from its input
     # (Arctic's tiled MLP): gate, up and their product never held for the whole sequence. 1 = off.
