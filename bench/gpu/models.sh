@@ -81,7 +81,7 @@ part_eval() {
 #   train    the Qwen3-30B-A3B layer shape at the depth one H200 holds (--config qwen3-30b-a3b: 10 layers, T=2048,
 #            B=32), STEPS (40) steps with the levers the planner picks (`holotrain train --plan auto`, TRIALS (2)
 #            trials; PLAN=0: the config's micro-batch and the memory plan's checkpointing instead): tokens/s, TFLOP/s
-#            and MFU by active parameters, the median of the rows (logged every 5 steps) after the first; no eval
+#            and MFU by active parameters, the median of the rows (logged every step, so a slow step shows at once) after the first; no eval
 #   peer     bench/moe_peer.py: transformers' Qwen3MoeForCausalLM of the same shape, depth and batch under
 #            torch.compile, once per PEERS entry "experts:precision" (default "grouped_mm:bf16 grouped_mm:autocast
 #            eager:autocast"), each capped at PEER_CAP (150) s; batched_mm is left out (it gathers every token copy's
@@ -97,9 +97,9 @@ part_moe() {
     train) local plan=(--plan auto --plan.trials="${TRIALS:-2}")
            [ "${PLAN:-1}" = 0 ] && plan=()
            logged moe-train "$out/moe-train.log" 540 python3 -m holotrain.cli train --config qwen3-30b-a3b \
-             --training.steps="$steps" --training.log_every=5 --eval.every=0 --job.run_dir=/tmp/moe-train \
+             --training.steps="$steps" --training.log_every=1 --eval.every=0 --job.run_dir=/tmp/moe-train \
              "${plan[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
-           grep -E "^holotrain: .*(plan|fp8|checkpointing|goodput)" "$out/moe-train.log" | head -6
+           grep -E "^holotrain: .*(plan|fp8|checkpointing|took|goodput)" "$out/moe-train.log" | head -7
            cp /tmp/moe-train/plan.json "$out/moe-train-plan.json" 2>/dev/null
            keep_metrics /tmp/moe-train moe-train ;;
     peer) for run in ${PEERS:-grouped_mm:bf16 grouped_mm:autocast eager:autocast}; do
