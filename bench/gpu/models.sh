@@ -81,7 +81,8 @@ part_eval() {
 #   train    the Qwen3-30B-A3B layer shape at the depth one H200 holds (--config qwen3-30b-a3b: 10 layers, T=2048,
 #            B=32), STEPS (40) steps with the levers the planner picks (`holotrain train --plan auto`, TRIALS (2)
 #            trials; PLAN=0: the config's micro-batch and the memory plan's checkpointing instead): tokens/s, TFLOP/s
-#            and MFU by active parameters, the median of the rows (logged every step, so a slow step shows at once) after the first; no eval
+#            and MFU by active parameters, the median of the rows after the first (logged every step, so that a slow
+#            step shows at once); no eval
 #   peer     bench/moe_peer.py: transformers' Qwen3MoeForCausalLM of the same shape, depth and batch under
 #            torch.compile, once per PEERS entry "experts:precision" (default "grouped_mm:bf16 grouped_mm:autocast
 #            eager:autocast"), each capped at PEER_CAP (150) s; batched_mm is left out (it gathers every token copy's
