@@ -124,7 +124,7 @@ def _suggestions(model, cfg, world_size, device, micro, accum, plan: Plan, capac
         if result:
             out.append(f"{text}: {result}")
     # A long sequence: "full" with tiled feed-forwards and the fewest block inputs in host memory that fit.
-    if mem.ffn_tiles == 1 and not mem.activation_offload_blocks:
+    if device.type == "cuda" and mem.ffn_tiles == 1 and not mem.activation_offload_blocks:
         for choice in long_sequence_choices(cfg.model.n_layers, cfg.data.seq_len):
             if outcome(_with(cfg, **choice), micro, accum) == "fits":
                 tiles, moved = choice["ffn_tiles"], choice["activation_offload_blocks"]

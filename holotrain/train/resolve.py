@@ -243,9 +243,11 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
                                             key=lambda c: (recompute_share(c[0], n_layers, blocks=c[1]), c))]
     full = next(i for i, c in enumerate(choices) if c["activation_checkpointing"] == "full"
                 and not c["activation_checkpointing_blocks"])
-    # The long-sequence levers: where the job left them to the plan, on one GPU's sequence (no TP, CP or pipeline).
+    # The long-sequence levers: where the job left them to the plan, on one GPU's sequence (no TP, CP or pipeline;
+    # on a CPU the host is the device memory, so its inputs have nowhere to go).
     par = cfg.parallel
-    if mem.ffn_tiles == 1 and not mem.activation_offload_blocks and par.tp == par.pp == getattr(par, "cp", 1) == 1:
+    if (env.device.type == "cuda" and mem.ffn_tiles == 1 and not mem.activation_offload_blocks
+            and par.tp == par.pp == getattr(par, "cp", 1) == 1):
         choices += long_sequence_choices(n_layers, cfg.data.seq_len)
     with torch.device("meta"):
         model = build(model_args(cfg))
