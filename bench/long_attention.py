@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from holotrain.hw.probe import cuda_event_median  # noqa: E402
 
 SHAPES = {"1.4b": (16, 16, 128), "8b": (32, 8, 128)}  # query heads, kv heads, head_dim
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -53,21 +58,16 @@ def kernel(name: str, T: int, device: torch.device):
 
 
 def median_s(fn, reps: int, cuda: bool) -> float:
+    """Median seconds of fn() after two warm-ups: CUDA events on a GPU, the wall clock on the CPU."""
+    if cuda:
+        return cuda_event_median(fn, reps)
     for _ in range(2):
         fn()
     times = []
     for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
