@@ -13,11 +13,12 @@ NO_CKPT=(--checkpoint.every=0 --checkpoint.save_final=false)
 cache_env() { export HOLOTRAIN_CACHE=/tmp/holotrain-cache PYTHONUNBUFFERED=1; }
 
 # logged LABEL LOG CAP CMD...: CMD under `timeout CAP`, its stdout and stderr into LOG, then the line
-# "== LABEL: rc RC in S s". Returns CMD's exit code.
+# "== LABEL: rc RC in S s". Returns CMD's exit code. A trainer answers timeout's SIGTERM by finishing its step and
+# saving it, which for a large model outlasts any cap: SIGKILL follows 15 s later.
 logged() {
   local label=$1 log=$2 cap=$3 s=$SECONDS rc
   shift 3
-  timeout "$cap" "$@" > "$log" 2>&1
+  timeout -k 15 "$cap" "$@" > "$log" 2>&1
   rc=$?
   echo "== $label: rc $rc in $(( SECONDS - s )) s"
   return $rc

@@ -82,7 +82,7 @@ part_eval() {
 #            B=32), STEPS (40) steps with the levers the planner picks (`holotrain train --plan auto`, TRIALS (2)
 #            trials; PLAN=0: the config's micro-batch and the memory plan's checkpointing instead): tokens/s, TFLOP/s
 #            and MFU by active parameters, the median of the rows after the first (logged every step, so that a slow
-#            step shows at once); no eval
+#            step shows at once); no eval. LAYERS sets another depth (the peer's too: the same variable)
 #   peer     bench/moe_peer.py: transformers' Qwen3MoeForCausalLM of the same shape, depth and batch under
 #            torch.compile, once per PEERS entry "experts:precision" (default "grouped_mm:bf16 grouped_mm:autocast
 #            eager:autocast"), each capped at PEER_CAP (150) s; batched_mm is left out (it gathers every token copy's
@@ -97,16 +97,17 @@ part_moe() {
   for w in $what; do case $w in
     train) local plan=(--plan auto --plan.trials="${TRIALS:-2}")
            [ "${PLAN:-1}" = 0 ] && plan=()
-           logged moe-train "$out/moe-train.log" 540 python3 -m holotrain.cli train --config qwen3-30b-a3b \
-             --training.steps="$steps" --training.log_every=1 --eval.every=0 --job.run_dir=/tmp/moe-train \
-             "${plan[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
+           logged moe-train "$out/moe-train.log" "${TRAIN_CAP:-540}" python3 -m holotrain.cli train \
+             --config qwen3-30b-a3b ${LAYERS:+--model.n_layers=$LAYERS} --training.steps="$steps" \
+             --training.log_every=1 --eval.every=0 --job.run_dir=/tmp/moe-train "${plan[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
            grep -E "^holotrain: .*(plan|fp8|checkpointing|took|goodput)" "$out/moe-train.log" | head -7
            cp /tmp/moe-train/plan.json "$out/moe-train-plan.json" 2>/dev/null
            keep_metrics /tmp/moe-train moe-train ;;
     peer) for run in ${PEERS:-grouped_mm:bf16 grouped_mm:autocast eager:autocast}; do
             local impl=${run%%:*} precision=${run#*:}
             logged "peer $run" "$out/peer-$impl-$precision.log" "${PEER_CAP:-150}" python3 bench/moe_peer.py \
-              --config qwen3-30b-a3b --experts "$impl" --precision "$precision" --out "$out/peer-$impl-$precision.json"
+              --config qwen3-30b-a3b ${LAYERS:+--layers $LAYERS} --experts "$impl" --precision "$precision" \
+              --out "$out/peer-$impl-$precision.json"
             grep "^moe_peer: $impl" "$out/peer-$impl-$precision.log" | tail -3
           done ;;
     balance) for run in sigmoid aux; do
