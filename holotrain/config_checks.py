@@ -74,8 +74,9 @@ def check_across(cfg, tokenizer_vocab: int | None = None) -> None:
     blocks = mem.activation_checkpointing_blocks
     need(isinstance(blocks, int) and 0 <= blocks <= m.n_layers,
          f"memory.activation_checkpointing_blocks must be between 0 and model.n_layers = {m.n_layers}, got {blocks!r}")
-    need(blocks == 0 or mem.activation_checkpointing in ("full", "pointwise"),
-         f'memory.activation_checkpointing_blocks = {blocks} applies to "full" and "pointwise", not '
+    need(blocks == 0 or mem.activation_checkpointing in ("full", "pointwise", "all-but-attention"),
+         f'memory.activation_checkpointing_blocks = {blocks} applies to "full", "pointwise" and "all-but-attention", '
+         f'not '
          f'{mem.activation_checkpointing!r} ("selective" is "full" on every other block)')
     need(0 <= mem.activation_offload_blocks <= m.n_layers, "memory.activation_offload_blocks must be between 0 and "
          f"model.n_layers = {m.n_layers}, got {mem.activation_offload_blocks}")

@@ -554,7 +554,8 @@ def test_activation_checkpointing_policies_save_memory_and_keep_gradients():
 
 def test_pointwise_checkpointing_recomputes_norms_and_swiglu_but_no_matmul_or_attention():
     """"pointwise": the backward runs the norms and the SwiGLU again (which "none" does not), but not one more matmul
-    or attention than "none" ("full" runs both again); the gradients are those of "none"."""
+    or attention than "none" ("full" runs both again); "all-but-attention" runs every matmul again as "full" does, but
+    not the attention; the gradients are those of "none"."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -576,15 +577,19 @@ def test_pointwise_checkpointing_recomputes_norms_and_swiglu_but_no_matmul_or_at
 
     (none, g_none), (pointwise, g_pw), (full, _) = map(backward_ops_and_grads, ("none", "pointwise", "full"))
     (half, g_half), (full_1, _) = backward_ops_and_grads("pointwise", 2), backward_ops_and_grads("full", 1)
+    aba, g_aba = backward_ops_and_grads("all-but-attention")
+    aba_1, _ = backward_ops_and_grads("all-but-attention", 1)
     attention = "_scaled_dot_product_flash_attention_for_cpu"
+    assert aba["mm"] == full["mm"] and aba[attention] == 0 and aba["rsqrt"] == full["rsqrt"] > 0
+    assert none["mm"] < aba_1["mm"] < aba["mm"] and aba_1[attention] == 0
     assert none["rsqrt"] == none["silu"] == none[attention] == 0
     assert pointwise["rsqrt"] == 8 and pointwise["silu"] == 4  # two norms and one SwiGLU a block, 4 blocks
     assert pointwise["mm"] == none["mm"] < full["mm"] and pointwise[attention] == 0 < full[attention]
     # memory.activation_checkpointing_blocks: the policy on 2 (or 1) of the 4 blocks.
     assert half["rsqrt"] == 4 and half["silu"] == 2 and half["mm"] == none["mm"]
     assert full_1[attention] == 1 and none["mm"] < full_1["mm"] < full["mm"]
-    for a, b, c in zip(g_none, g_pw, g_half):
-        assert torch.allclose(a, b, atol=1e-6) and torch.allclose(a, c, atol=1e-6)
+    for a, b, c, d in zip(g_none, g_pw, g_half, g_aba):
+        assert torch.allclose(a, b, atol=1e-6) and torch.allclose(a, c, atol=1e-6) and torch.allclose(a, d, atol=1e-6)
 
 
 def test_checkpointing_some_blocks_spreads_them_and_scales_memory_and_time():
@@ -610,6 +615,17 @@ def test_checkpointing_some_blocks_spreads_them_and_scales_memory_and_time():
     none, every = saved(), saved("--memory.activation_checkpointing=pointwise")
     half = saved("--memory.activation_checkpointing=pointwise", "--memory.activation_checkpointing_blocks=12")
     assert every < half < none and half == pytest.approx((none + every) / 2)
+    # "all-but-attention": the matmuls of "full", a block's input and its attention's output and logsumexp kept.
+    from holotrain.memory.activation_checkpointing import attention_kept_blocks, recomputed_blocks
+
+    assert attention_kept_blocks("all-but-attention", 24, 6) == recomputed_blocks("all-but-attention", 24, 6)
+    assert checkpointed_blocks("all-but-attention", 24) == []
+    assert recomputed_blocks("full", 24, 6) == [0, 4, 8, 12, 16, 20]
+    assert recompute_share("all-but-attention", 24) == recompute_share("full", 24)
+    full = saved("--memory.activation_checkpointing=full")
+    aba = saved("--memory.activation_checkpointing=all-but-attention")
+    tokens, args = 8 * 2048, (2048, 16)  # the 1.4b: dim 2048 = q_dim, 16 heads
+    assert aba - full == pytest.approx(24 * tokens * (2 * args[0] + 4 * args[1]))
 
 
 def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
@@ -626,9 +642,10 @@ def test_activation_checkpointing_config_keeps_accepting_booleans(tmp_path):
     toml = tmp_path / "old.toml"
     toml.write_text("[memory]\nactivation_checkpointing = true\n")
     assert policy(path=toml) == "full"
-    with pytest.raises(ConfigError, match="none, full, selective or pointwise"):
+    assert policy("--memory.activation_checkpointing=all-but-attention") == "all-but-attention"
+    with pytest.raises(ConfigError, match="none, full, selective, pointwise or all-but-attention"):
         policy("--memory.activation_checkpointing=most")
-    with pytest.raises(ConfigError, match='applies to "full" and "pointwise", not \'selective\''):
+    with pytest.raises(ConfigError, match='applies to "full", "pointwise" and "all-but-attention", not \'selective\''):
         policy("--memory.activation_checkpointing=selective", "--memory.activation_checkpointing_blocks=2")
     with pytest.raises(ConfigError, match="activation_checkpointing_blocks must be between 0 and model.n_layers = 4"):
         policy("--memory.activation_checkpointing=full", "--memory.activation_checkpointing_blocks=5")

@@ -29,9 +29,9 @@ def test_plan_of_the_default_job_writes_the_overlay_and_every_candidate(default_
     assert overlay["checkpoint"]["every"] >= 1
     plan = json.loads((out / "plan.json").read_text())
     rows = plan["candidates"]
-    # On a CPU: 5 micro-batches x (no checkpointing, selective, full, pointwise, pointwise on 1, 2 and 3 of the 4
-    # blocks, full on 1 and 3); a chunked loss is a no-op at <= 4096 tokens.
-    assert len(rows) == 45 and all(r["predicted"]["fits"] for r in rows)
+    # On a CPU: 5 micro-batches x (no checkpointing, selective, full, pointwise, all-but-attention, pointwise and
+    # all-but-attention on 1, 2 and 3 of the 4 blocks, full on 1 and 3); a chunked loss is a no-op at <= 4096 tokens.
+    assert len(rows) == 65 and all(r["predicted"]["fits"] for r in rows)
     tried = [r for r in rows if r["measured"]]
     assert len(tried) == 2 and all(not r["measured"]["error"] for r in tried)
     assert all(r["measured"]["data_wait_s"] >= 0 and r["measured"]["loaders"] >= 1 for r in tried)

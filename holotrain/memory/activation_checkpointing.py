@@ -12,11 +12,16 @@ Policies (`memory.activation_checkpointing`):
                the norms, the rotary embedding, the SwiGLU product and the residual sums, about 30% of what a
                Llama block keeps. No matmul runs twice; the recomputation is memory traffic, cheap but not free
                (POINTWISE_SHARE).
+  "all-but-attention"
+               every block is recomputed but its attention kernel, whose output (and softmax statistics) it keeps:
+               a block holds its input and the attention's output, dim + q_dim values a token. At long sequences,
+               where attention is most of a block's work, this recomputes the cheap part only (the projections, the
+               feed-forward and the norms) at a little over "full"'s memory.
 The booleans true / false are accepted as "full" / "none".
 
-`memory.activation_checkpointing_blocks` = N > 0 applies "full" or "pointwise" to N blocks spread evenly over the
-depth instead of every block: the memory saved falls in proportion, the time spent less so (the planner's "how many
-blocks").
+`memory.activation_checkpointing_blocks` = N > 0 applies "full", "pointwise" or "all-but-attention" to N blocks
+spread evenly over the depth instead of every block: the memory saved falls in proportion, the time spent less so
+(the planner's "how many blocks").
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-POLICIES = ("none", "full", "selective", "pointwise")
+POLICIES = ("none", "full", "selective", "pointwise", "all-but-attention")
+# The policies that take memory.activation_checkpointing_blocks (on N blocks spread over the depth).
+SPREAD_POLICIES = ("full", "pointwise", "all-but-attention")
 # "pointwise"'s recomputation (norms, rotary, SwiGLU: memory-bound) as a share of its blocks' time: the 1.4b at
 # micro-batch 16 on an H200, compiled, ran 2.8% slower than with nothing recomputed (its loss in pieces aside).
 POINTWISE_SHARE = 0.03
@@ -47,7 +54,7 @@ def policy_blocks(policy: str, n_layers: int, blocks: int = 0) -> list[int]:
         raise ValueError(f"unknown activation checkpointing policy {policy!r} (known: {', '.join(POLICIES)})")
     if policy == "none":
         return []
-    if blocks and policy in ("full", "pointwise"):
+    if blocks and policy in SPREAD_POLICIES:
         return [i * n_layers // blocks for i in range(min(blocks, n_layers))]
     return list(range(0, n_layers, 2 if policy == "selective" else 1))
 
@@ -62,11 +69,21 @@ def pointwise_blocks(policy: str, n_layers: int, blocks: int = 0) -> list[int]:
     return policy_blocks(policy, n_layers, blocks) if policy == "pointwise" else []
 
 
+def attention_kept_blocks(policy: str, n_layers: int, blocks: int = 0) -> list[int]:
+    """Indices of the blocks recomputed in backward but for their attention kernel ("all-but-attention")."""
+    return policy_blocks(policy, n_layers, blocks) if policy == "all-but-attention" else []
+
+
+def recomputed_blocks(policy: str, n_layers: int, blocks: int = 0) -> list[int]:
+    """Indices of the blocks whose matmuls run again in backward: those recomputed whole and "all-but-attention"'s."""
+    return sorted(checkpointed_blocks(policy, n_layers, blocks) + attention_kept_blocks(policy, n_layers, blocks))
+
+
 def checkpointing_choices(n_layers: int) -> list[tuple[str, int]]:
-    """(policy, blocks): every policy on its own blocks, and "pointwise" on a quarter, half and three quarters of
-    the blocks, "full" on a quarter and three quarters (on half it is "selective")."""
+    """(policy, blocks): every policy on its own blocks, and "pointwise" and "all-but-attention" on a quarter, half
+    and three quarters of the blocks, "full" on a quarter and three quarters (on half it is "selective")."""
     some = sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4} - {0, n_layers})
-    return ([(policy, 0) for policy in POLICIES] + [("pointwise", b) for b in some]
+    return ([(policy, 0) for policy in POLICIES] + [(p, b) for p in ("pointwise", "all-but-attention") for b in some]
             + [("full", b) for b in some if b != n_layers // 2])
 
 
@@ -87,12 +104,13 @@ def long_sequence_choices(n_layers: int, seq_len: int) -> list[dict]:
 
 def recompute_share(policy: str, n_layers: int, blocks_share: float = 1.0, blocks: int = 0) -> float:
     """The policy's cost in time: extra matmul work as a share of a step's, each recomputed block running its
-    forward (a third of its training FLOPs) again. `blocks_share`: the blocks' share of the step's FLOPs (the output
-    head is never recomputed: a quarter of a small model's FLOPs, 5% of a 1.4b's). A "pointwise" block runs no
-    matmul again; its memory-bound recomputation is counted as POINTWISE_SHARE of the blocks' time when every block
-    is "pointwise", with POINTWISE_FIXED of it whatever their number."""
+    forward's matmuls (a third of their training FLOPs) again; its attention's forward again is the caller's to add
+    (for checkpointed_blocks: "all-but-attention" keeps it). `blocks_share`: the blocks' share of the step's FLOPs
+    (the output head is never recomputed: a quarter of a small model's FLOPs, 5% of a 1.4b's). A "pointwise" block
+    runs no matmul again; its memory-bound recomputation is counted as POINTWISE_SHARE of the blocks' time when every
+    block is "pointwise", with POINTWISE_FIXED of it whatever their number."""
     lean = len(pointwise_blocks(policy, n_layers, blocks)) / n_layers
-    whole = len(checkpointed_blocks(policy, n_layers, blocks)) / n_layers
+    whole = len(recomputed_blocks(policy, n_layers, blocks)) / n_layers
     pointwise = POINTWISE_SHARE * (POINTWISE_FIXED + (1 - POINTWISE_FIXED) * lean) if lean else 0.0
     return (pointwise + whole / 3) * blocks_share
 
@@ -105,17 +123,23 @@ def pointwise_kept_share(dim: int, q_dim: int, kv_dim: int, ffn_dim: int) -> flo
 
 
 @functools.cache
+def _attention_ops() -> frozenset:
+    """Every attention kernel: SDPA's (flash, memory-efficient, cuDNN, the CPU's) and flex_attention."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    return frozenset(ops | ({flex} if flex is not None else set()))
+
+
+@functools.cache
 def _kept_ops() -> frozenset:
     """The ops whose outputs "pointwise" keeps: the matmuls (FP8's scaled ones and the experts' grouped ones too) and
     every attention kernel."""
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
-             "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu")
-    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
-    flex = getattr(torch.ops.higher_order, "flex_attention", None)
-    return frozenset(ops | ({flex} if flex is not None else set()))
+    names = ("mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
+    return frozenset({getattr(aten, n).default for n in names if hasattr(aten, n)} | _attention_ops())
 
 
 def grouped_gemms_kept(cuda: bool) -> bool:
@@ -129,12 +153,20 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_KEEP = {"pointwise": _keep_matmuls, "all-but-attention": _keep_attention}  # the selective policies' per-op choice
+
+
 def apply_activation_checkpointing(model: nn.Module, policy: str = "full", blocks: int = 0) -> None:
-    """Wraps the policy's blocks of `model.layers` in place (non-reentrant checkpointing; a "pointwise" block with a
-    selective policy: torch.utils.checkpoint's per-op choice, which torch.compile honours)."""
+    """Wraps the policy's blocks of `model.layers` in place (non-reentrant checkpointing; a "pointwise" or
+    "all-but-attention" block with a selective policy: torch.utils.checkpoint's per-op choice, which torch.compile
+    honours)."""
     names = list(model.layers.keys())
-    context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    keep = _KEEP.get(policy)
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep)} if keep else {}
     for i in policy_blocks(policy, len(names), blocks):
-        extra = {"context_fn": context} if policy == "pointwise" else {}
         model.layers.register_module(names[i], checkpoint_wrapper(model.layers[names[i]], preserve_rng_state=False,
                                                                   **extra))

@@ -12,12 +12,13 @@ from holotrain.section import Section, need
 @dataclass
 class MemoryConfig(Section):
     # "none" | "full" (every block recomputed in backward) | "selective" (every other block) | "pointwise" (the
-    # norms, rotary and SwiGLU products recomputed, no matmul); see holotrain/memory/activation_checkpointing.py.
+    # norms, rotary and SwiGLU products recomputed, no matmul) | "all-but-attention" (every block recomputed but its
+    # attention kernel, whose output is kept: long sequences); see holotrain/memory/activation_checkpointing.py.
     # true / false are accepted as "full" / "none". "auto": the least recomputation the memory plan fits (none at
     # short sequences, more as they grow), chosen when the run starts and saved in its config.toml; where "full"
     # alone does not fit, also ffn_tiles and activation_offload_blocks below (if left at 1 and 0).
     activation_checkpointing: str | bool = "auto"
-    # "full" or "pointwise" on this many blocks, spread evenly over the depth (0 = every block).
+    # "full", "pointwise" or "all-but-attention" on this many blocks, spread evenly over the depth (0 = every block).
     activation_checkpointing_blocks: int = 0
     # ZeRO-Offload (holotrain/memory/offload/): fp32 master weights and AdamW states in CPU memory, working
     # weights on the GPU in the compute dtype, the CPU step overlapped with backward and the next forward.
@@ -55,8 +56,8 @@ class MemoryConfig(Section):
         # activation_checkpointing = true / false is accepted; the resolved config stores the policy name.
         ac = self.activation_checkpointing
         ac = {"true": "full", "false": "none"}.get(str(ac).lower(), ac) if isinstance(ac, (bool, str)) else ac
-        need(ac in ("none", "full", "selective", "pointwise", "auto"),
-             "memory.activation_checkpointing must be auto, none, full, selective or pointwise, got "
+        need(ac in ("none", "full", "selective", "pointwise", "all-but-attention", "auto"),
+             "memory.activation_checkpointing must be auto, none, full, selective, pointwise or all-but-attention, got "
              f"{self.activation_checkpointing!r}")
         self.activation_checkpointing = ac
         ratio = self.offload_ratio

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from holotrain.memory.activation_checkpointing import (checkpointed_blocks, grouped_gemms_kept, pointwise_blocks,
-                                                       pointwise_kept_share)
+from holotrain.memory.activation_checkpointing import (attention_kept_blocks, checkpointed_blocks, grouped_gemms_kept,
+                                                       pointwise_blocks, pointwise_kept_share)
 from holotrain.model.costs import (block_backward_bytes, block_saved_values, expert_params, moe_pointwise_bytes,
                                    moe_saved_bytes)
 from holotrain.parallel.cost import EP_IMBALANCE
@@ -262,7 +262,8 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     description counts (model/costs.py block_saved_values: 7*dim + 2*ffn for a Llama of equal heads; SAVED_BYTES with
     its backward's buffers), its attention's fp32 logsumexp (heads per token) and the bf16 casts of
     its weights (`block_weights`: the device-resident fp32 weights of all blocks; a bf16 working copy needs no cast); a
-    checkpointed block keeps only its input and one at a time is recomputed. FP8 blocks keep FP8_ACTIVATIONS of that
+    checkpointed block keeps only its input ("all-but-attention": and its attention's output and logsumexp) and one
+    at a time is recomputed. FP8 blocks keep FP8_ACTIVATIONS of that
     and no weight casts. With `attention_probs` (a CPU, where the attention is not one fused kernel) a block also keeps
     its attention's probabilities, heads x seq_len values per token, and the micro-batch its dense [B, T, T] document
     mask (the default job's host RSS on 2 cores: within 0.07 GB at six settings); on a GPU the document mask is
@@ -282,12 +283,14 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     ffn = m.ffn_dim * (1 - args.moe_layers / m.n_layers)  # the dense feed-forwards' width, over all blocks
     lse = tokens * m.n_heads * LSE_BYTES
     probs = tokens * elem_bytes * m.n_heads * seq if attention_probs else 0.0
-    recomputed_at = set(checkpointed_blocks(ac, m.n_layers, blocks))
+    attention_at = set(attention_kept_blocks(ac, m.n_layers, blocks))
+    recomputed_at = set(checkpointed_blocks(ac, m.n_layers, blocks)) | attention_at
     lean_at = set(pointwise_blocks(ac, m.n_layers, blocks))
     recomputed, lean = len(recomputed_at), len(lean_at)
     plain = m.n_layers - recomputed - lean
     # Activation offload moves what the first blocks save to the host: all of a plain block's, a checkpointed block's
-    # input. A "pointwise" block's kept outputs are its checkpoint's own (eager), which the hooks do not see: kept.
+    # input. A "pointwise" or "all-but-attention" block's kept outputs are its checkpoint's own (eager), which the
+    # hooks do not see: kept.
     off_at = set(range(cfg.memory.activation_offload_blocks))
     plain_off, inputs_off = len(off_at - recomputed_at - lean_at), len(off_at & recomputed_at)
     tiles = getattr(cfg.memory, "ffn_tiles", 1)
@@ -313,7 +316,8 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
                 + n_lean * (per_block * lean_share + moe_lean + probs + lse) + (n_plain + n_lean) * cast)
 
     offloaded = kept(plain_off, 0) + inputs_off * tokens * elem_bytes * m.dim
-    saved = kept(plain, lean) - offloaded + recomputed * tokens * elem_bytes * m.dim
+    saved = (kept(plain, lean) - offloaded + recomputed * tokens * elem_bytes * m.dim
+             + len(attention_at) * (tokens * elem_bytes * args.q_dim + lse))
     # Held by every block until the end of backward: cos and sin gathered per token (positions restart per document),
     # and the whole row's document mask, dense on a CPU, block-sparse on a GPU.
     held = tokens * head_dim * ROPE_GATHER_BYTES

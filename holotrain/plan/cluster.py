@@ -70,7 +70,8 @@ from pathlib import Path
 
 from holotrain.config import Config
 from holotrain.errors import ConfigError
-from holotrain.memory.activation_checkpointing import POLICIES, checkpointed_blocks, pointwise_blocks, recompute_share
+from holotrain.memory.activation_checkpointing import (POLICIES, checkpointed_blocks, pointwise_blocks, recompute_share,
+                                                       recomputed_blocks)
 from holotrain.memory.activation_checkpointing import grouped_gemms_kept
 from holotrain.memory.plan import activations
 from holotrain.model.args import ModelArgs
@@ -387,17 +388,17 @@ def _stage(a: ModelArgs, cluster: Cluster, seq_len: int, lay: Layout, layers: in
     # Tensor parallelism's share (plan/cost.py's), but for the checkpointed blocks' inputs: sequence-parallel between
     # blocks, each rank keeps 1/tp of them.
     share = tp_activation_share(tp)
-    inputs = len(checkpointed_blocks(lay.ac, layers)) * tokens * 2 * a.dim if layers else 0.0
+    inputs = len(recomputed_blocks(lay.ac, layers)) * tokens * 2 * a.dim if layers else 0.0
     saved = ((acts.saved - inputs) * share + inputs / tp + acts.held) if layers else 0.0
     transient = max(acts.loss if last else 0.0, acts.recompute * share if layers else 0.0)
     return _Stage(layers, params, f, bi, bw, tp_s, cp_s, ep_s, saved, transient)
 
 
 def _expert_recompute(ac: str, layers: int) -> float:
-    """The share of the blocks whose routed experts run again in backward: those recomputed whole, and "pointwise" ones
-    where the grouped GEMMs are not kept (memory/plan.py: grouped_gemms_kept)."""
+    """The share of the blocks whose routed experts run again in backward: those recomputed (whole or but their
+    attention), and "pointwise" ones where the grouped GEMMs are not kept (memory/plan.py: grouped_gemms_kept)."""
     lean = 0 if grouped_gemms_kept(True) else len(pointwise_blocks(ac, layers))
-    return (len(checkpointed_blocks(ac, layers)) + lean) / max(layers, 1)
+    return (len(recomputed_blocks(ac, layers)) + lean) / max(layers, 1)
 
 
 def _ep_link(cluster: Cluster, lay: Layout) -> float:

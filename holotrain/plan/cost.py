@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from holotrain.memory.activation_checkpointing import checkpointed_blocks, pointwise_blocks, recompute_share
+from holotrain.memory.activation_checkpointing import (checkpointed_blocks, pointwise_blocks, recompute_share,
+                                                       recomputed_blocks)
 from holotrain.memory.activation_offload import OUT_BYTES_S, exposed_copy_s
 from holotrain.memory.offload.cost import ADAMW_IN_TRAINING, exposed_cpu_step
 from holotrain.memory.plan import (
@@ -255,7 +256,8 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     gemm_s = linear * tokens / ranks / (machine.gemm_flops * eff)
     linear_s = matmul_time(gemm_s, t.fp8, calib.fp8_gain)
     # Activation checkpointing's recomputation: the GEMMs of a third of the recomputed blocks' FLOPs ("pointwise":
-    # its memory-bound share), and the forward of their attention.
+    # its memory-bound share), and the forward of the attention of those recomputed whole ("all-but-attention" keeps
+    # it).
     recompute_gemm_s = matmul_time(gemm_s * recompute_share(ac, m.n_layers, blocks_share, ac_blocks), t.fp8,
                                    calib.fp8_gain)
     if cfg.memory.ffn_tiles > 1:  # each tile's gate and up run again in its backward: 2 * 2 * dim * ffn a token
@@ -269,8 +271,9 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     link = calib.link_bytes_s or LINK_BYTES_S[machine.device]
     lean = 0.0 if grouped_gemms_kept(machine.device == "cuda") else len(pointwise_blocks(ac, m.n_layers, ac_blocks))
     bf16 = t.dtype == "bf16" or (t.dtype == "auto" and machine.device == "cuda")  # memory/plan.py's rule
+    again = len(recomputed_blocks(ac, m.n_layers, ac_blocks)) / m.n_layers  # blocks whose experts run again
     moe = moe_terms(args, micro * seq / cp, accum, ep, 2 if bf16 else 4, machine.gemm_flops * eff, link,
-                    whole + lean / m.n_layers, machine.device)
+                    again + lean / m.n_layers, machine.device)
     routing_s = 0.0
     if moe:  # the experts are not FP8 linears: at the bf16 rate
         linear_s, recompute_gemm_s, routing_s = (linear_s + moe.expert_s, recompute_gemm_s + moe.recompute_s,

@@ -233,14 +233,26 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
     defaults, the long-sequence levers in turn (activation_checkpointing.long_sequence_choices: feed-forwards tiled,
     then as few blocks' inputs on the host as fit); "full" if nothing fits, which the memory check then refuses with
     the numbers. Long sequences are what make it matter: the 1.4b keeps every activation at T = 2048 and recomputes
-    blocks at T = 131072. `capacity`: plan_memory's, in place of this machine's."""
+    blocks at T = 131072. The recomputation counted: the matmuls run again, and the attention forward of the blocks
+    recomputed whole, which at long sequences outweighs them ("all-but-attention" keeps it). `capacity`:
+    plan_memory's, in place of this machine's."""
     mem = cfg.memory
-    from holotrain.memory.activation_checkpointing import checkpointing_choices, long_sequence_choices, recompute_share
+    from holotrain.memory.activation_checkpointing import (checkpointed_blocks, checkpointing_choices,
+                                                           long_sequence_choices, recompute_share)
+    from holotrain.model.costs import ATTENTION_FORWARD_SHARE, attention_flops_per_token, flops_per_token
 
-    n_layers = cfg.model.n_layers
+    n_layers, args = cfg.model.n_layers, model_args(cfg)
+    # A block's attention forward as a share of the blocks' matmul FLOPs (recompute_share's unit)
+    blocks_flops = flops_per_token(args, 0) - 6 * args.dim * args.vocab_size
+    attention = ATTENTION_FORWARD_SHARE * attention_flops_per_token(args, cfg.data.seq_len) / blocks_flops
+
+    def recomputation(choice: tuple[str, int]) -> tuple:
+        policy, blocks = choice
+        whole = len(checkpointed_blocks(policy, n_layers, blocks)) / n_layers
+        return recompute_share(policy, n_layers, blocks=blocks) + attention * whole, choice
+
     choices = [{"activation_checkpointing": policy, "activation_checkpointing_blocks": blocks}
-               for policy, blocks in sorted(checkpointing_choices(n_layers),
-                                            key=lambda c: (recompute_share(c[0], n_layers, blocks=c[1]), c))]
+               for policy, blocks in sorted(checkpointing_choices(n_layers), key=recomputation)]
     full = next(i for i, c in enumerate(choices) if c["activation_checkpointing"] == "full"
                 and not c["activation_checkpointing_blocks"])
     # The long-sequence levers: where the job left them to the plan, on one GPU's sequence (no TP, CP or pipeline;
@@ -250,7 +262,7 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
             and par.tp == par.pp == getattr(par, "cp", 1) == 1):
         choices += long_sequence_choices(n_layers, cfg.data.seq_len)
     with torch.device("meta"):
-        model = build(model_args(cfg))
+        model = build(args)
     ratio = 1.0 if mem.offload and mem.offload_ratio == "auto" else None
     pick, plan = full, None
     for i, choice in enumerate(choices):
