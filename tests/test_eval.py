@@ -132,21 +132,34 @@ def test_eval_rows_are_shared_among_the_sources_by_weight():
     assert allot({"a": 3, "b": 3}, {"a": 1, "b": 1}, 100) == {"a": 3, "b": 3}
 
 
-def test_eval_samples_continue_as_generation_does():
-    """The samples' fixed-length forwards (right-padded, no cache) draw the same greedy tokens as generation with its
-    KV cache (holotrain generate's path)."""
+def test_eval_samples_continue_as_the_full_forward_does():
+    """The samples (prompts of one length batched, padded to 16 rows, continued with a KV cache) draw the greedy
+    tokens that the model's ordinary forward over the whole row gives, one prompt at a time; a prompt near the end of
+    the context stops there."""
     from holotrain.model import ModelArgs, build
-    from holotrain.model.decoder import KVCache
     from holotrain.train.samples import Samples
 
     torch.manual_seed(0)
     model = build(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97,
                             max_seq_len=64)).eval()
-    prompt = [5, 17, 3, 42, 8]
-    drawn = Samples([], None, 12, torch.device("cpu"), autocast=False)._continue(model, prompt)
-    cache = KVCache(model.args, 1, 64, torch.device("cpu"), torch.float32)
-    logits, expected = model.decode(torch.tensor([prompt]), cache), []
-    for _ in range(12):
-        expected.append(int(logits[0, -1].argmax()))
-        logits = model.decode(torch.tensor([[expected[-1]]]), cache)
-    assert drawn == expected
+
+    class Ids:  # a tokenizer whose text is the ids
+        decode = staticmethod(lambda ids: " ".join(map(str, ids)))
+
+    prompts = [[5, 17, 3, 42, 8], [9, 1, 1, 60, 2], [33, 4], list(range(1, 60))]
+
+    def greedy(ids, new):
+        row = list(ids)
+        with torch.no_grad():
+            for _ in range(new):
+                row.append(int(model(torch.tensor([row]))[0, -1].argmax()))
+        return row[len(ids):]
+
+    samples = Samples([(f"p{i}", ids) for i, ids in enumerate(prompts)], Ids, 12, torch.device("cpu"),
+                      autocast=False)
+    got = samples(model)["eval.samples"]
+    assert [s["prompt"] for s in got] == ["p0", "p1", "p2", "p3"]
+    for ids, sample in zip(prompts, got):
+        expected = greedy(ids, min(12, 64 - len(ids)))
+        assert sample["text"] == Ids.decode(expected)
+    assert len(got[3]["text"].split()) == 5

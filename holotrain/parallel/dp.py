@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
 
@@ -31,6 +31,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, res
                 _shard_experts(moe, mesh, expert_mesh, mp, reshard)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **kw)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kw)
+    # Generation's forward (the eval's samples): the root's parameters (embedding, final norm, head) gathered for it too.
+    register_fsdp_forward_method(model, "decode")
 
 
 def _shard_experts(moe: nn.Module, mesh: DeviceMesh, expert_mesh: DeviceMesh, mp: MixedPrecisionPolicy,

@@ -2,11 +2,13 @@
 TensorBoard's text tab, report.html).
 
 The prompts are `eval.prompts`, or else the opening tokens of the first evaluation document of each source (text the
-model never trained on). Each continuation of `eval.sample_tokens` tokens runs the model's ordinary forward on one row
-of a fixed length (the prompt and its continuation, right-padded to a multiple of 16, which FP8's GEMMs need): causal
-attention makes the padding invisible to the positions read. The forwards run eagerly (torch.compile's stance), so
-no region compiles a graph for this shape, and without gradients. Under FSDP2 every rank runs the same forwards and
-draws the same tokens; under tensor, context or pipeline parallelism no samples are drawn.
+model never trained on). Prompts of one length are continued together with a KV cache (model/decoder.py `decode`,
+holotrain generate's path): one forward of the prompts, then one of a token a row per new token. The batch holds a
+multiple of 16 rows (the prompts, the last repeated), which FP8's GEMMs need of a decode step's single tokens, and the
+drawn tokens stay on the device until the end (no synchronization per token). The forwards run eagerly
+(torch.compile's stance), so no region compiles a graph for these shapes, and without gradients. Under FSDP2 every
+rank runs the same forwards and draws the same tokens; under tensor, context or pipeline parallelism no samples are
+drawn.
 """
 
 from __future__ import annotations
@@ -28,28 +30,41 @@ class Samples:
     def __call__(self, model: torch.nn.Module) -> dict:
         """eval.samples: [{"prompt", "text"}] per prompt, and time.eval_samples."""
         t0 = time.perf_counter()
-        out = []
+        by_length: dict[int, list[int]] = {}
+        for k, (_, ids) in enumerate(self.prompts):
+            by_length.setdefault(len(ids), []).append(k)
+        texts = [""] * len(self.prompts)
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            for label, ids in self.prompts:
-                out.append({"prompt": label, "text": self.tokenizer.decode(self._continue(model, ids))})
+            for group in by_length.values():
+                drawn = self._continue(model, [self.prompts[k][1] for k in group])
+                for k, ids in zip(group, drawn):
+                    texts[k] = self.tokenizer.decode(ids)
+        out = [{"prompt": label, "text": text} for (label, _), text in zip(self.prompts, texts)]
         return {"eval.samples": out, "time.eval_samples": time.perf_counter() - t0}
 
-    def _continue(self, model: torch.nn.Module, ids: list[int]) -> list[int]:
-        limit = model.args.max_seq_len
-        new = min(self.tokens, limit - len(ids))
-        length = min(-(-(len(ids) + new) // ALIGN) * ALIGN, limit)
-        row = torch.zeros((1, length), dtype=torch.int64, device=self.device)
-        row[0, :len(ids)] = torch.tensor(ids, device=self.device)
+    def _continue(self, model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+        """Each prompt (all of one length) continued greedily by up to `tokens` tokens, within the model's context."""
+        from holotrain.model.decoder import KVCache
+
+        n = len(prompts[0])
+        new = min(self.tokens, model.args.max_seq_len - n)
+        rows = -(-len(prompts) // ALIGN) * ALIGN
+        batch = torch.tensor([prompts[min(i, len(prompts) - 1)] for i in range(rows)], device=self.device)
+        dtype = torch.bfloat16 if self.autocast else next(model.parameters()).dtype
+        cache = KVCache(model.args, batch=rows, length=n + new, device=self.device, dtype=dtype)
         drawn = []
-        for at in range(len(ids), len(ids) + new):
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                logits = model(row)
-            if hasattr(logits, "full_tensor"):  # a DTensor head
-                logits = logits.full_tensor()
-            token = int(logits[0, at - 1].float().argmax())
-            row[0, at] = token
-            drawn.append(token)
-        return drawn
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = model.decode(batch, cache)
+            for _ in range(new):
+                if hasattr(logits, "full_tensor"):  # a DTensor head
+                    logits = logits.full_tensor()
+                drawn.append(logits[:, -1].float().argmax(-1))
+                if len(drawn) < new:
+                    logits = model.decode(drawn[-1][:, None], cache)
+        if not drawn:
+            return [[] for _ in prompts]
+        return torch.stack(drawn, dim=1)[:len(prompts)].tolist()
+
 
 
 def build(cfg, dims, rows: dict, tokenizer, device: torch.device, autocast: bool, is_main: bool) -> Samples | None:
