@@ -340,6 +340,21 @@ def test_a_second_signal_exits_at_once():
         "holotrain: SIGTERM: a second signal, exiting at once"]
 
 
+def test_sigusr1_prints_every_threads_stack_and_training_goes_on():
+    """SIGUSR1 (a run that seems stuck): every thread's Python stack on stderr, and nothing stops."""
+    script = ("import os, signal\n"
+              "from holotrain.train.interrupts import StopSignals\n"
+              "def waiting_here():\n"
+              "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+              "with StopSignals().installed() as stop:\n"
+              "    stop.start_loop(1)\n"
+              "    waiting_here()\n"
+              "    print('still training', stop.requested())\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "still training 0\n", proc.stderr
+    assert "waiting_here" in proc.stderr and "Current thread" in proc.stderr
+
+
 def test_a_changed_schedule_on_resume_is_said_out_loud(reference_run, tmp_path):
     run_dir = tmp_path / "longer"
     shutil.copytree(reference_run, run_dir)

@@ -82,7 +82,8 @@ part_eval() {
 #            B=32), STEPS (40) steps with the levers the planner picks (`holotrain train --plan auto`, TRIALS (2)
 #            trials; PLAN=0: the config's micro-batch and the memory plan's checkpointing instead): tokens/s, TFLOP/s
 #            and MFU by active parameters, the median of the rows after the first (logged every step, so that a slow
-#            step shows at once); no eval. LAYERS sets another depth (the peer's too: the same variable)
+#            step shows at once); no eval. LAYERS sets another depth (the peer's too: the same variable). 20 s before
+#            its cap (TRAIN_CAP, 540 s) the trainer gets SIGUSR1: its threads' stacks in the log, if it is still there
 #   peer     bench/moe_peer.py: transformers' Qwen3MoeForCausalLM of the same shape, depth and batch under
 #            torch.compile, once per PEERS entry "experts:precision" (default "grouped_mm:bf16 grouped_mm:autocast
 #            eager:autocast"), each capped at PEER_CAP (150) s; batched_mm is left out (it gathers every token copy's
@@ -97,10 +98,15 @@ part_moe() {
   for w in $what; do case $w in
     train) local plan=(--plan auto --plan.trials="${TRIALS:-2}")
            [ "${PLAN:-1}" = 0 ] && plan=()
-           logged moe-train "$out/moe-train.log" "${TRAIN_CAP:-540}" python3 -m holotrain.cli train \
+           local cap=${TRAIN_CAP:-540}
+           ( sleep $((cap - 20)); pkill -USR1 -f "holotrain.cli train --config qwen3-30b-a3b" ) &
+           local stacks=$!
+           logged moe-train "$out/moe-train.log" "$cap" python3 -m holotrain.cli train \
              --config qwen3-30b-a3b ${LAYERS:+--model.n_layers=$LAYERS} --training.steps="$steps" \
              --training.log_every=1 --eval.every=0 --job.run_dir=/tmp/moe-train "${plan[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
+           kill $stacks 2>/dev/null
            grep -E "^holotrain: .*(plan|fp8|checkpointing|took|goodput)" "$out/moe-train.log" | head -7
+           grep -A12 "^Current thread" "$out/moe-train.log" | head -14
            cp /tmp/moe-train/plan.json "$out/moe-train-plan.json" 2>/dev/null
            keep_metrics /tmp/moe-train moe-train ;;
     peer) for run in ${PEERS:-grouped_mm:bf16 grouped_mm:autocast eager:autocast}; do

@@ -5,11 +5,15 @@ so a signal then unwinds the start-up as an exit.
 
 With several ranks, each may see its signal at a different step; the ranks agree on the step to stop at with one
 small all-reduce per step on a gloo group of its own (host memory, no GPU synchronization), waited for a step
-later, so that it never holds a rank's host back."""
+later, so that it never holds a rank's host back.
+
+SIGUSR1 stops nothing: it prints every thread's Python stack to stderr (faulthandler), for a run that seems stuck
+(`kill -USR1 PID`: where the first step's compilation, a collective or the data plane is waiting)."""
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
 import threading
@@ -34,9 +38,11 @@ class StopSignals:
             yield self
             return
         previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         try:
             yield self
         finally:
+            faulthandler.unregister(signal.SIGUSR1)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.group is not None:
