@@ -14,14 +14,28 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import io
 import os
 import signal
+import sys
 import threading
 
 import torch
 import torch.distributed as dist
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _register_stack_dump() -> bool:
+    """SIGUSR1 -> every thread's stack on the process's stderr (the real one: faulthandler writes to a file
+    descriptor, which a captured sys.stderr, as in a test or a notebook, may not have). False where none has one."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+            return True
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            continue
+    return False
 
 
 class StopSignals:
@@ -38,11 +52,12 @@ class StopSignals:
             yield self
             return
         previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        stacks = _register_stack_dump()
         try:
             yield self
         finally:
-            faulthandler.unregister(signal.SIGUSR1)
+            if stacks:
+                faulthandler.unregister(signal.SIGUSR1)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.group is not None:
