@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +29,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from holotrain.hw.probe import cuda_event_median  # noqa: E402
+from holotrain.hw.probe import cuda_event_median, median_time  # noqa: E402
 
 SHAPES = {"1.4b": (16, 16, 128), "8b": (32, 8, 128)}  # query heads, kv heads, head_dim
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -59,16 +57,7 @@ def kernel(name: str, T: int, device: torch.device):
 
 def median_s(fn, reps: int, cuda: bool) -> float:
     """Median seconds of fn() after two warm-ups: CUDA events on a GPU, the wall clock on the CPU."""
-    if cuda:
-        return cuda_event_median(fn, reps)
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return cuda_event_median(fn, reps) if cuda else median_time(fn, reps, warmup=2)
 
 
 def inputs(T: int, heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype):

@@ -55,7 +55,7 @@ def _cpu_model() -> str | None:
     return None
 
 
-def _median_time(fn, reps: int, warmup: int = 1) -> float:
+def median_time(fn, reps: int, warmup: int = 1) -> float:
     """Median wall time of fn() (CPU work)."""
     for _ in range(warmup):
         fn()
@@ -106,7 +106,7 @@ def _host(budget_s: float, errors: list[str]) -> dict:
         nbytes = int(min(512 * 2**20 if budget_s >= 10 else 128 * 2**20, avail / 16))
         src = torch.rand(nbytes // 4)
         dst = torch.empty_like(src)
-        host["memcpy_gb_s"] = nbytes / _median_time(lambda: dst.copy_(src), reps=5) / 1e9
+        host["memcpy_gb_s"] = nbytes / median_time(lambda: dst.copy_(src), reps=5) / 1e9
     except Exception as e:
         errors.append(f"host memcpy: {e}")
 
@@ -126,7 +126,7 @@ def _host(budget_s: float, errors: list[str]) -> dict:
         p, opt = make(cal)
         opt.step()  # creates the state
         t_setup = time.perf_counter() - t
-        step = _median_time(opt.step, reps=3, warmup=0)
+        step = median_time(opt.step, reps=3, warmup=0)
         # A step has a fixed cost of a few ms, so small sizes look slower per parameter: a safe estimate.
         left = max(0.3, budget_s - (time.monotonic() - t0))
         per_param = (t_setup + steps * step) / cal
@@ -136,7 +136,7 @@ def _host(budget_s: float, errors: list[str]) -> dict:
             del p, opt
             p, opt = make(n)
             opt.step()
-            step = _median_time(opt.step, reps=steps, warmup=0)
+            step = median_time(opt.step, reps=steps, warmup=0)
         host["adamw_params"] = n
         host["adamw_params_per_s"] = n / step
         del p, opt
@@ -218,7 +218,7 @@ def _copies(dev, budget_s: float, errors: list[str]) -> dict:
             d2[:m].copy_(hp)
             torch.cuda.synchronize()
 
-        out["h2d_pageable_gb_s"] = m * 4 / _median_time(pageable, max(3, reps // 2)) / 1e9
+        out["h2d_pageable_gb_s"] = m * 4 / median_time(pageable, max(3, reps // 2)) / 1e9
     except Exception as e:
         errors.append(f"copies: {e}")
     return out

@@ -264,13 +264,13 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
     with torch.device("meta"):
         model = build(args)
     ratio = 1.0 if mem.offload and mem.offload_ratio == "auto" else None
-    pick, plan = full, None
+    pick, fitted = full, None
     for i, choice in enumerate(choices):
         trial = dataclasses.replace(cfg, memory=dataclasses.replace(mem, **choice))
         plan = plan_memory(model, trial, env.world_size, env.device, micro, accum, ratio=ratio,
                            local_ranks=env.local_world_size, **capacity)
         if plan.gpu_fits and plan.host_fits:
-            pick = i
+            pick, fitted = i, plan
             break
     if env.world_size > 1:
         agreed = torch.tensor([pick], device=env.device)
@@ -283,7 +283,9 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
         what = chosen["activation_checkpointing"] + (f" on {blocks} of {n_layers} blocks" if blocks else "")
         what += f", memory.ffn_tiles = {tiles}" if tiles > 1 else ""
         what += f", memory.activation_offload_blocks = {moved} (their inputs in host memory)" if moved else ""
-        need = f": {plan.gpu_need / 1e9:.1f} of {plan.gpu_capacity / 1e9:.1f} GB" if plan and plan.gpu_capacity else ""
+        # The chosen setting's need; where nothing fits, the memory check that follows gives the numbers.
+        need = (f": {fitted.gpu_need / 1e9:.1f} of {fitted.gpu_capacity / 1e9:.1f} GB"
+                if fitted and fitted.gpu_capacity else "")
         print(f"holotrain: memory.activation_checkpointing = auto -> {what} (the least recomputation the memory plan "
               f"fits at {micro} x {cfg.data.seq_len} tokens per micro-batch{need})", flush=True)
     return chosen
