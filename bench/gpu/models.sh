@@ -25,7 +25,7 @@ part_families() {
   fam() {  # name, args...
     local name=$1
     shift
-    logged "$name" "$out/$name.log" 300 python3 -m holotrain.cli train "$@" --training.steps="$steps" \
+    logged "$name" "$out/$name.log" "${FAM_CAP:-300}" python3 -m holotrain.cli train "$@" --training.steps="$steps" \
       --job.run_dir=/tmp/fam-$name "${quiet[@]}"
     grep -E "^holotrain: .*(fp8|checkpointing|goodput)" "$out/$name.log" | head -4
     cp /tmp/fam-$name/plan.json "$out/$name-plan.json" 2>/dev/null
@@ -84,6 +84,7 @@ part_eval() {
 #            and MFU by active parameters, the median of the rows after the first (logged every step, so that a slow
 #            step shows at once); no eval. LAYERS sets another depth (the peer's too: the same variable). 20 s before
 #            its cap (TRAIN_CAP, 540 s) the trainer gets SIGUSR1: its threads' stacks in the log, if it is still there
+#            (STACKS: the seconds after the start at which it gets one, e.g. "100 200"); EXTRA: more trainer overrides
 #   peer     bench/moe_peer.py: transformers' Qwen3MoeForCausalLM of the same shape, depth and batch under
 #            torch.compile, once per PEERS entry "experts:precision" (default "grouped_mm:bf16 grouped_mm:autocast
 #            eager:autocast"), each capped at PEER_CAP (150) s; batched_mm is left out (it gathers every token copy's
@@ -98,15 +99,19 @@ part_moe() {
   for w in $what; do case $w in
     train) local plan=(--plan auto --plan.trials="${TRIALS:-2}")
            [ "${PLAN:-1}" = 0 ] && plan=()
-           local cap=${TRAIN_CAP:-540}
-           ( sleep $((cap - 20)); pkill -USR1 -f "holotrain.cli train --config qwen3-30b-a3b" ) &
-           local stacks=$!
+           local cap=${TRAIN_CAP:-540} at stacks=()
+           for at in ${STACKS:-$((cap - 20))}; do
+             ( sleep "$at"; pkill -USR1 -f "holotrain.cli train --config qwen3-30b-a3b" ) &
+             stacks+=($!)
+           done
            logged moe-train "$out/moe-train.log" "$cap" python3 -m holotrain.cli train \
              --config qwen3-30b-a3b ${LAYERS:+--model.n_layers=$LAYERS} --training.steps="$steps" \
-             --training.log_every=1 --eval.every=0 --job.run_dir=/tmp/moe-train "${plan[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
-           kill $stacks 2>/dev/null
+             --training.log_every=1 --eval.every=0 --job.run_dir=/tmp/moe-train "${plan[@]}" "${QUIET[@]}" "${NO_CKPT[@]}" \
+             ${EXTRA:-}
+           kill "${stacks[@]}" 2>/dev/null
            grep -E "^holotrain: .*(plan|fp8|checkpointing|took|goodput)" "$out/moe-train.log" | head -7
-           grep -A12 "^Current thread" "$out/moe-train.log" | head -14
+           grep -E "^step " "$out/moe-train.log" | head -4
+           grep -A16 "^Current thread" "$out/moe-train.log" | head -40
            cp /tmp/moe-train/plan.json "$out/moe-train-plan.json" 2>/dev/null
            keep_metrics /tmp/moe-train moe-train ;;
     peer) for run in ${PEERS:-grouped_mm:bf16 grouped_mm:autocast eager:autocast}; do
