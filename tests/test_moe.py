@@ -326,6 +326,31 @@ def test_compiled_blocks_trace_whole_and_keep_the_aux_gradient(aligned):
     assert torch.equal(compiled.expert_load(), eager.expert_load())
 
 
+class _SumsInFp32(torch.overrides.TorchFunctionMode):
+    """CUDA's autocast on the CPU, for one of its rules: a sum under autocast runs in fp32 and returns fp32 (CPU
+    autocast leaves sums alone)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.sum, torch.Tensor.sum) and torch.is_autocast_enabled("cpu") and "dtype" not in kwargs:
+            args = (args[0].float(), *args[1:])
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_blocks_keep_the_residual_stream_in_bf16_under_an_autocast_that_sums_in_fp32(family):
+    """Under CUDA's autocast every block hands the next a bf16 residual stream: an fp32 one would send the next
+    blocks' experts down the reference loop (a host read per block, a recompilation per routing under compile)."""
+    torch.manual_seed(0)
+    model = build(_tiny(family, moe_aux_loss_coef=0.5))
+    dtypes = []
+    for block in model.layers.values():
+        block.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    with _SumsInFp32(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(TOKENS, torch.roll(TOKENS, -1, 1)).backward()
+    assert dtypes == [torch.bfloat16] * len(model.layers)
+
+
 @pytest.mark.parametrize("policy", ["full", "pointwise"])
 def test_activation_checkpointing_keeps_the_aux_gradient(policy):
     from holotrain.memory.activation_checkpointing import apply_activation_checkpointing

@@ -214,7 +214,11 @@ class MoE(nn.Module):
         """The experts' outputs [N * k, D] (sorted as permute left them) back in token order, each token's k summed
         with their weights [..., k] (the N tokens in any shape): [..., D]."""
         copies = torch.empty_like(out).index_copy(0, order, out).view(*weights.shape, -1)
-        return (copies * weights.unsqueeze(-1)).sum(dim=-2)
+        # Summed in fp32, returned in the experts' dtype whatever autocast says: CUDA's autocast runs a sum in fp32
+        # and returns fp32, which would take the residual stream out of bf16 from this block on (and every later
+        # block's experts off the grouped GEMMs).
+        with torch.autocast(out.device.type, enabled=False):
+            return (copies * weights.unsqueeze(-1).to(out.dtype)).sum(dim=-2, dtype=torch.float32).to(out.dtype)
 
     def record(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
         """This forward's load, auxiliary losses and routing entropy (see the module's docstring); nothing of them
