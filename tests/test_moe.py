@@ -176,12 +176,14 @@ def test_grouped_gemms_equal_the_reference_loop():
 
 def test_grouped_gemms_with_aligned_groups_equal_the_reference_loop():
     """An mm that wants each expert's rows a multiple of 16 (FP8's scaled grouped GEMM) gets them padded: the same
-    outputs and gradients (inputs and all three weights) as the unpadded loop, groups of 0, 1, 16 and 17 rows."""
+    outputs and gradients (inputs and all three weights) as the unpadded loop, groups of 0, 1, 16 and 17 rows; the
+    padded rows' total a multiple of 16 too."""
     seen = []
 
     def aligned_mm(a, b_t, offs):
         seen.append(offs.clone())
         assert (offs % 16 == 0).all(), offs
+        assert a.shape[0] % 16 == 0, a.shape  # the weight gradient reads the rows transposed: a 16-byte row stride
         return torch._grouped_mm(a, b_t, offs=offs)
 
     aligned_mm.row_alignment = 16

@@ -99,15 +99,17 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
 def pad_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows x [M, D] sorted into groups of `counts` rows, each group moved to start at a multiple of `align` with
     zero rows after it: (the padded rows, the padded counts, each original row's index in the padded rows, with
-    which padded[rows] is x again). The padded tensor has the static size M + E * (align - 1), so nothing is read on
-    the host; the rows past the last group are zeros that no GEMM reads. Zero rows add nothing to a weight's
-    gradient and their outputs are dropped."""
+    which padded[rows] is x again). The padded tensor has a static size, M + E * (align - 1) rounded up to a multiple
+    of `align` (the weight gradient's GEMM reads the rows transposed: its row stride is that size), so nothing is
+    read on the host; the rows past the last group are zeros that no GEMM reads. Zero rows add nothing to a
+    weight's gradient and their outputs are dropped."""
     n_rows, n_groups = x.shape[0], counts.numel()
     padded = (counts + align - 1) // align * align
     group = torch.repeat_interleave(torch.arange(n_groups, device=x.device), counts, output_size=n_rows)
     shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)
     rows = torch.arange(n_rows, device=x.device) + shift[group]
-    out = x.new_zeros(n_rows + n_groups * (align - 1), x.shape[1]).index_put((rows,), x)
+    size = -(-(n_rows + n_groups * (align - 1)) // align) * align
+    out = x.new_zeros(size, x.shape[1]).index_put((rows,), x)
     return out, padded, rows
 
 
