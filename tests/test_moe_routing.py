@@ -143,3 +143,54 @@ def test_expert_parallel_training_run_equals_one_process(sigmoid_run, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a["step"], a["loss"], b["loss"])
         assert b["moe.tokens_per_expert"] == a["moe.tokens_per_expert"]
     assert torch.equal(_saved_bias(tmp_path / "checkpoints" / "step-4", [0, 1]), _bias_by_hand(one))
+
+
+def test_solved_bias_balances_scores_that_differ_little_between_tokens():
+    """balancing_bias: scores with a shared part 0.1 across experts and 0.01 between tokens (top-k of the plain scores:
+    every token the same experts) balanced to within 2%, whatever the rows' order."""
+    from holotrain.model.moe import balancing_bias
+
+    n, generator = 2048, torch.Generator().manual_seed(0)
+    shared = 0.1 * torch.randn(8 * E, generator=generator)
+    scores = (shared + 0.01 * torch.randn(n, 8 * E, generator=generator)).sigmoid()
+
+    def max_over_mean(bias):
+        load = torch.zeros(8 * E).scatter_add_(0, (scores + bias).topk(K).indices.flatten(), torch.ones(n * K))
+        return (load.max() / load.mean()).item()
+
+    bias = balancing_bias(scores, torch.zeros(8 * E), K)
+    assert max_over_mean(torch.zeros(8 * E)) > 4 and max_over_mean(bias) < 1.02
+    shuffled = scores[torch.randperm(n, generator=generator)]
+    assert torch.equal(balancing_bias(shuffled, torch.zeros(8 * E), K), bias)
+
+
+def test_solve_sets_the_bias_from_the_steps_scores():
+    """router_bias_update = "solve": after the step, each block's bias is balancing_bias over both micro-batches'
+    scores, from the bias it had."""
+    from holotrain.model.moe import balancing_bias
+    from holotrain.model.registry import fix_switches, preset
+
+    args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_layers=2, n_heads=2,
+                               n_kv_heads=1, head_dim=16, ffn_dim=32, moe_ffn_dim=16, n_experts=E, vocab_size=64,
+                               max_seq_len=16, n_active_experts=K, router="sigmoid")
+    fix_switches("qwen3_moe", args)
+    torch.manual_seed(0)
+    model = build(args)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    routing = Routing(model, RATE, env, ParallelDims(world=1), "solve")
+    moes = list(model.moe_modules().values())
+    start = torch.tensor([0.3, -0.1, 0.0, -0.2])
+    for moe in moes:
+        moe.expert_bias.copy_(start)
+    seen = [[] for _ in moes]
+    routing.begin_step()
+    for s in range(2):
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s))
+        model(tokens, tokens).backward()
+        for kept, moe in zip(seen, moes):
+            kept.append(moe.last_scores)
+    routing.end_step()
+    for kept, moe in zip(seen, moes):
+        assert torch.equal(moe.expert_bias, balancing_bias(torch.cat(kept), start, K))
+        assert not torch.equal(moe.expert_bias, start)
+    routing.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from holotrain.model.moe import BIAS_UPDATES
 from holotrain.section import Section, need
 
 
@@ -52,6 +53,10 @@ class ModelConfig(Section):
     # The sigmoid router's balancing rate (DeepSeek-V3's gamma, 1e-3 there): after each optimizer step the trainer
     # moves each expert's bias by this toward balance, from the step's load over all micro-batches and ranks.
     router_bias_rate: float = 1e-3
+    # How the sigmoid router's bias moves after each step: "sign" (DeepSeek-V3's, by router_bias_rate), or "solve":
+    # set to the bias that would have balanced the step's routing (train/routing.py), for short runs whose routers'
+    # inputs shift faster than the rate follows.
+    router_bias_update: str = "sign"
     # A Hugging Face model directory or a holotrain run / checkpoint: the dimensions, weights and tokenizer come
     # from it (model/pretrained.py); a new run starts from its weights with a fresh optimizer. A relative path in a
     # TOML file is relative to the file's folder (as every input path there), on the command line to the current one.
@@ -82,3 +87,5 @@ class ModelConfig(Section):
         need(self.norm_eps > 0, f"model.norm_eps must be positive, got {self.norm_eps}")
         need(self.router_bias_rate >= 0,
              f"model.router_bias_rate must be >= 0 (0: a fixed bias), got {self.router_bias_rate}")
+        need(self.router_bias_update in BIAS_UPDATES,
+             f"model.router_bias_update must be one of {', '.join(BIAS_UPDATES)}, got {self.router_bias_update!r}")

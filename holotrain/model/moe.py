@@ -28,6 +28,7 @@ from holotrain.model.args import ModelArgs
 from holotrain.model.parts import FeedForward
 
 ROUTERS = ("softmax", "sigmoid")
+BIAS_UPDATES = ("sign", "solve")  # how the trainer moves a sigmoid router's bias (train/routing.py)
 
 
 def moe_problem(args: ModelArgs) -> str | None:
@@ -126,6 +127,30 @@ def load_balance_loss(scores: torch.Tensor, counts: torch.Tensor, router: str = 
     return scores.shape[-1] * (share * probs.float().mean(0)).sum()
 
 
+def balancing_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, rounds: int = 16) -> torch.Tensor:
+    """The per-expert bias [E] with which each row's top k of scores + bias (scores [N, E]) gives every expert N * k / E
+    rows, found from `bias` as the start: in each round, every expert's bias moves halfway to the one at which that
+    share of rows would take it, the others' held (for each row, the bias it needs to enter the row's top k: the k-th
+    largest of the row's other biased scores less its own score; the expert's new bias lies between the share's and
+    the next order statistic of those). Reads only per-row and per-expert order statistics, so the rows' order does
+    not matter. Centered (a shift of every bias changes no choice). Unchanged when there are too few rows."""
+    n_rows, n_experts = scores.shape
+    share = n_rows * k // n_experts
+    if share < 1 or share >= n_rows or k >= n_experts:
+        return bias.clone()
+    scores, bias = scores.float(), bias.float().clone()
+    for _ in range(rounds):
+        biased = scores + bias
+        top = biased.topk(k + 1, dim=-1).values
+        kth, next_ = top[:, k - 1:k], top[:, k:k + 1]
+        # A chosen expert's rivals' k-th largest is the row's (k+1)-th; an unchosen one's, the row's k-th.
+        needed = torch.where(biased >= kth, next_, kth) - scores
+        low = needed.topk(share + 1, dim=0, largest=False).values  # ascending: the share-th and the next
+        bias += 0.5 * (0.5 * (low[share - 1] + low[share]) - bias)
+        bias -= bias.mean()
+    return bias
+
+
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2 (keeps the logits small)."""
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
@@ -158,6 +183,7 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor | None = None
         self.last_aux: torch.Tensor | None = None
         self.last_entropy: torch.Tensor | None = None
+        self.last_scores: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,6 +255,8 @@ class MoE(nn.Module):
         self.aux_loss = None
         if not torch.is_grad_enabled():
             return
+        if self.expert_bias is not None:
+            self.last_scores = scores.detach()  # for a solved bias (balancing_bias); saved for backward anyway
         weighted = self.aux_coef > 0 or self.z_coef > 0
         with torch.set_grad_enabled(weighted):
             balance = load_balance_loss(scores, counts, self.router_kind)

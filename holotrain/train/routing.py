@@ -16,19 +16,25 @@ import functools
 import torch
 import torch.distributed as dist
 
+from holotrain.model.moe import balancing_bias
 from holotrain.parallel import DistEnv
 from holotrain.parallel.dims import ParallelDims
 
 # Columns after the E loads: the sums over forwards of the entropy, balance loss and z-loss, and the forwards counted.
 ENTROPY, BALANCE, Z, FORWARDS = range(4)
+# A solved bias reads at most this many token rows of each forward's scores per block (evenly spaced): [rows, E] fp32
+# kept per block and micro-batch until the step ends.
+SOLVE_ROWS = 4096
 
 
 class Routing:
     """The moe.* fields and the bias update of a model with MoE blocks; does nothing for a dense one."""
 
-    def __init__(self, model: torch.nn.Module, rate: float, env: DistEnv, dims: ParallelDims):
+    def __init__(self, model: torch.nn.Module, rate: float, env: DistEnv, dims: ParallelDims, update: str = "sign"):
         args = model.args
         self.rate, self.biased = rate, args.router == "sigmoid"
+        self.solve = self.biased and update == "solve"
+        self.scores: dict[int, list[torch.Tensor]] = {}  # per held MoE module (id): this step's sampled scores
         self.layers = [i for i in range(args.n_layers) if args.moe_layer(i)]  # every MoE block, on any stage
         self.n_experts = args.n_experts
         # One row per MoE block of the whole model: loads [E], then the ENTROPY.. FORWARDS columns. This rank fills
@@ -69,7 +75,9 @@ class Routing:
             kept = forwards[-self.micro_batches:] if self.micro_batches else forwards
             self.sums[lo:hi] = torch.stack(kept).sum(0) if kept else 0.0
             forwards.clear()
-        if self.biased and self.rate > 0 and self.held:
+        if self.solve and self.held:
+            self._solve_bias()
+        elif self.biased and self.rate > 0 and self.held:
             self._reduce()
             for row, moe in self.held:
                 moe.update_bias(self.rate, self.sums[row, :self.n_experts])
@@ -112,10 +120,32 @@ class Routing:
             handle.remove()
         self._handles = []
 
+    def _solve_bias(self) -> None:
+        """`model.router_bias_update = "solve"`: each block's bias set to the one that would have balanced this step's
+        routing (balancing_bias over the step's sampled scores, from the current bias), averaged over the ranks that
+        route other tokens through the same blocks, so that every rank holds the same bias."""
+        solved = torch.zeros(len(self.layers), self.n_experts, dtype=torch.float32, device=self.sums.device)
+        for row, moe in self.held:
+            kept = self.scores.pop(id(moe), [])
+            kept = kept[-self.micro_batches:] if self.micro_batches else kept
+            solved[row] = (balancing_bias(torch.cat(kept), moe.expert_bias, moe.top_k) if kept
+                           else moe.expert_bias)
+        if self.world > 1:
+            dist.all_reduce(solved, group=self.group)
+            solved /= dist.get_world_size(self.group)
+        for row, moe in self.held:
+            moe.expert_bias.copy_(solved[row])
+        self.scores.clear()
+
     def _take(self, forwards: list, moes: list, module, inputs, output) -> None:
         """A stage's forward hook: its blocks' figures of this micro-batch [blocks, E + 4], kept on the device."""
         if not self.collecting:
             return
+        if self.solve and moes[0].last_scores is not None:
+            for moe in moes:  # evenly spaced rows, copied (a strided view would keep the whole tensor)
+                scores = moe.last_scores
+                stride = -(-scores.shape[0] // SOLVE_ROWS)
+                self.scores.setdefault(id(moe), []).append(scores[::stride].contiguous() if stride > 1 else scores)
         loads = torch.stack([m.last_load for m in moes]).double()
         if moes[0].last_aux is None:  # recorded in grad mode only, as training's forwards run
             figures = loads.new_zeros(len(moes), 3)

@@ -293,7 +293,8 @@ def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, 
             f"(micro {micro}, accumulation {accum}), steps {start_step} -> {cfg.training.steps}, run dir {cfg.run_dir}"
         )
     train_step = TrainStep(model, optimizer, cfg, env, dtype, profiler.clock)
-    routing = Routing(model, cfg.model.router_bias_rate, env, dims)  # moe.* and the sigmoid router's bias update
+    # moe.* and the sigmoid router's bias update
+    routing = Routing(model, cfg.model.router_bias_rate, env, dims, cfg.model.router_bias_update)
     hardware = build_hardware(cfg.hw, env, cfg.run_dir)
     try:
         hardware.start()
