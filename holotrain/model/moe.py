@@ -12,7 +12,8 @@ The steps are separate methods, so that expert parallelism (parallel/ep.py) can 
     unpermute    the outputs back in token order, weighted and summed over each token's k experts
 
 Each forward keeps what later metrics and the router-bias update read: `last_load` [E] (token copies per expert,
-detached), `last_aux` [2] (the load-balancing and z-loss values, detached), and `aux_loss`, the weighted auxiliary
+detached), `last_aux` [2] (the load-balancing and z-loss values, detached), `last_scores` [N, E] (a sigmoid router's
+scores in a training forward, detached: the tensor its backward keeps anyway), and `aux_loss`, the weighted auxiliary
 term with its graph (when a coefficient is > 0), which the decoder's loss takes into the training gradient
 (decoder.Decoder.loss) and clears. Expert weights are stacked 3-D parameters, w1 (gate) and w3 (up) [E, F, D] and
 w2 (down) [E, D, F], as Hugging Face's per-expert linears stacked (model/hf.py)."""
