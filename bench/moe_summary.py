@@ -3,9 +3,10 @@
 train + peer: holotrain's tokens/s, TFLOP/s and MFU by active parameters (the median of the logged rows after the
 first, which holds compilation) with the levers the planner chose, each transformers peer's (bench/moe_peer.py,
 per experts implementation and precision), and holotrain over the fastest peer (targets: >= 1.5x, >= 300 TFLOP/s).
-balance: for the sigmoid (auxiliary-loss-free) and the auxiliary-loss runs, the largest max/mean expert load over
-the layers and the logged rows after step 100 (target <= 1.25), and the final loss (the mean of the last 50 steps'
-rows) of the first over the second's (target within 1%)."""
+balance: for the sigmoid (auxiliary-loss-free: its bias solved, "solve", or moved by the sign rule, "sigmoid") and the
+auxiliary-loss runs, the largest max/mean expert load over the layers and the logged rows after step 100 (target
+<= 1.25), and each auxiliary-loss-free run's final loss (the mean of the last 50 steps' rows) over the auxiliary-loss
+run's (target within 1%)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def main(out: Path) -> None:
     if train and best:
         print(f"holotrain / fastest peer ({best['name']}): {train['tokens_per_s'] / best['tokens_per_s']:.2f}x "
               "tokens/s (target >= 1.5x; the peer on random tokens over the full causal square)")
-    runs = {name: balance_figures(out / f"balance-{name}.jsonl") for name in ("sigmoid", "aux")}
+    runs = {name: balance_figures(out / f"balance-{name}.jsonl") for name in ("solve", "sigmoid", "aux")}
     for name, b in runs.items():
         if not b:
             continue
@@ -124,10 +125,12 @@ def main(out: Path) -> None:
                   f"median row's worst layer {b['median_ratio']:.3f} (target <= 1.25)")
         if b["final_loss"] is not None:
             print(f"balance {name}: loss over the last {LAST_STEPS} of {b['steps']} steps {b['final_loss']:.4f}")
-    sig, aux = runs["sigmoid"], runs["aux"]
-    if sig and aux and sig["final_loss"] and aux["final_loss"]:
-        print(f"balance: sigmoid loss / auxiliary-loss run's: {sig['final_loss'] / aux['final_loss']:.4f} "
-              f"({sig['final_loss'] / aux['final_loss'] - 1:+.2%}; target within 1%)")
+    aux = runs["aux"]
+    for name in ("solve", "sigmoid"):
+        sig = runs[name]
+        if sig and aux and sig["final_loss"] and aux["final_loss"]:
+            print(f"balance: {name} loss / auxiliary-loss run's: {sig['final_loss'] / aux['final_loss']:.4f} "
+                  f"({sig['final_loss'] / aux['final_loss'] - 1:+.2%}; target within 1%)")
 
 
 if __name__ == "__main__":

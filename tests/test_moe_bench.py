@@ -76,7 +76,7 @@ def test_moe_summary_reads_the_parts(tmp_path, capsys):
         {"experts": "grouped_mm", "precision": "bf16", "tokens_per_s": 5000.0, "tflops": 120.0, "mfu": 0.12,
          "peak_mem_gb": 60.0, "micro": 4, "accum": 8, "checkpointing": "none"}]}))
     (tmp_path / "peer-eager-autocast.log").write_text("")  # timed out: no JSON
-    for name, loss, worst in (("sigmoid", 3.00, 1.1), ("aux", 3.03, 1.4)):
+    for name, loss, worst in (("solve", 3.03 * 1.002, 1.2), ("sigmoid", 3.00, 1.1), ("aux", 3.03, 1.4)):
         jsonl(f"balance-{name}.jsonl", [{"step": s, "loss": loss, "moe.load_max_over_mean":
                                          [1.05, worst if s > 100 else 3.0, None]} for s in range(5, 305, 5)])
     _bench("moe_summary").main(tmp_path)
@@ -86,3 +86,5 @@ def test_moe_summary_reads_the_parts(tmp_path, capsys):
     assert "balance sigmoid: max/mean expert load after step 100: worst 1.100" in out
     assert "balance aux: max/mean expert load after step 100: worst 1.400" in out
     assert "sigmoid loss / auxiliary-loss run's: 0.9901" in out
+    assert "balance solve: max/mean expert load after step 100: worst 1.200" in out
+    assert "solve loss / auxiliary-loss run's: 1.0020" in out

@@ -95,9 +95,10 @@ part_eval() {
 #            torch.compile, once per PEERS entry "experts:precision" (default "grouped_mm:bf16 grouped_mm:autocast
 #            eager:autocast"), each capped at PEER_CAP (150) s; batched_mm is left out (it gathers every token copy's
 #            expert weights: hundreds of GB a layer at this shape)
-#   balance  moe-balance (12 layers of d 1024, 64 experts, top 8) on the embedded corpus, its 300 steps twice: the
-#            sigmoid router (auxiliary-loss-free; BIAS_RATE sets model.router_bias_rate) and the softmax router with
-#            model.moe_aux_loss_coef = 0.01
+#   balance  moe-balance (12 layers of d 1024, 64 experts, top 8) on the embedded corpus, its 300 steps once per
+#            BALANCE entry (default "solve sigmoid aux"): the sigmoid router (auxiliary-loss-free) with its bias solved
+#            from each step's scores (model.router_bias_update = "solve"), with the sign rule (the config's default;
+#            BIAS_RATE sets model.router_bias_rate), and the softmax router with model.moe_aux_loss_coef = 0.01
 # Summary: bench/moe_summary.py OUT_DIR.
 part_moe() {
   local steps=${1:-40} what=${2:-train peer}
@@ -127,8 +128,9 @@ part_moe() {
               --out "$out/peer-$impl-$precision.json"
             grep "^moe_peer: $impl" "$out/peer-$impl-$precision.log" | tail -3
           done ;;
-    balance) for run in sigmoid aux; do
+    balance) for run in ${BALANCE:-solve sigmoid aux}; do
                local extra=(${BIAS_RATE:+--model.router_bias_rate=$BIAS_RATE})
+               [ $run = solve ] && extra=(--model.router_bias_update=solve)
                [ $run = aux ] && extra=(--model.router=softmax --model.moe_aux_loss_coef=0.01)
                logged "balance $run" "$out/balance-$run.log" 240 python3 -m holotrain.cli train --config moe-balance \
                  --job.run_dir=/tmp/moe-balance-$run "${extra[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
