@@ -150,6 +150,12 @@ def run(a, seq_len: int, batch: int, micro: int, impl: str, precision: str, ac: 
                 loss = step(batches[i % 2])
             warm_s = time.perf_counter() - t0
             times = timed(step, batches, args.steps, device)
+            if args.trace:  # one more step under torch.profiler, for bench/trace_families.py
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    step(batches[0])
+                    torch.cuda.synchronize(device) if device.type == "cuda" else None
+                prof.export_chrome_trace(args.trace)
             loss = float(loss)
             oom = False
         except torch.OutOfMemoryError:
@@ -199,6 +205,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=0, help="untimed steps first (default 2: compilation; 1 with --tiny)")
     p.add_argument("--tiny", action="store_true", help="qwen3_moe's tiny preset, T=64, B=4 on the CPU")
     p.add_argument("--out", default="", help="write the rows as JSON here")
+    p.add_argument("--trace", default="", help="a torch.profiler chrome trace of one step after the timed ones here "
+                                             "(JSON; the last experts implementation's)")
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.tiny:
