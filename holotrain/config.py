@@ -94,6 +94,10 @@ class TrainingConfig(Section):
     fp8: str = "none"
     fp8_skip: list[str] = field(default_factory=lambda: ["output"])
     fp8_emulate: bool = False
+    # A MoE model on one device under bf16 autocast: its expert weights cast once a step, not at each micro-batch,
+    # and their gradients summed over the micro-batches in bf16 (model/moe.py's ExpertCopies); false: the cast at
+    # each forward and an fp32 sum.
+    expert_weight_copies: bool = True
 
     def check(self) -> None:
         need(self.steps > 0, f"training.steps must be positive, got {self.steps}")

@@ -427,3 +427,57 @@ def test_costs_count_active_parameters():
     mixed = _tiny(dense_layers=(1,))
     with torch.device("meta"):
         assert num_params(build(mixed)) == model_params(mixed)
+
+
+def test_expert_copies_cast_once_a_step_and_match_the_cast_at_each_micro_batch():
+    """TrainStep under bf16 autocast on one device (model/moe.py's ExpertCopies): the experts run on bf16 copies made
+    once a step, their gradients summed on the copies and handed to the fp32 weights before the optimizer. One
+    micro-batch a step: the same losses and weights as the cast at each forward, bit for bit; two: within bf16's
+    rounding of the gradient's sum. After each step the copies hold the new weights (evaluations see them)."""
+    import copy
+
+    from holotrain.config import load_config, resolve
+    from holotrain.model.moe import ExpertCopies
+    from holotrain.parallel import DistEnv
+    from holotrain.train.trainer import TrainStep, build_model, build_optimizer
+
+    def config(*more):
+        return resolve(load_config(None, [
+            "--model.family=qwen3_moe", "--model.preset=tiny", "--model.dim=32", "--model.n_layers=2",
+            "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16", "--model.ffn_dim=64",
+            "--model.moe_ffn_dim=16", "--model.n_experts=4", "--model.n_active_experts=2", "--data.seq_len=8",
+            "--training.compile=false", *more,
+        ]), tokenizer_vocab=64)
+
+    cfg, cfg_off = config(), config("--training.expert_weight_copies=false")
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    base = build_model(cfg, env, torch.float32)
+    batches = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(4)]
+
+    def train(copies: bool, accum: int):
+        model = copy.deepcopy(base)
+        job = cfg if copies else cfg_off
+        step = TrainStep(model, build_optimizer(model, job, env), job, env, torch.bfloat16)
+        assert (step.expert_copies is not None) == copies  # on by default for this model under bf16 autocast
+        losses = [step(lambda m, s=s: batches[(s * accum + m) % 4], accum, 1e-3)[0].item() for s in range(3)]
+        return model, step, losses
+
+    for accum in (1, 2):
+        plain, _, plain_losses = train(False, accum)
+        model, step, losses = train(True, accum)
+        weights = dict(model.named_parameters())
+        for name, w in plain.named_parameters():
+            if accum == 1:
+                assert torch.equal(weights[name], w), name
+            else:
+                assert torch.allclose(weights[name], w, atol=1e-4), name
+        if accum == 1:
+            assert losses == plain_losses
+        else:
+            assert losses[0] == plain_losses[0] and max(abs(a - b) for a, b in zip(losses, plain_losses)) < 1e-4
+    moes = list(model.moe_modules().values())
+    assert moes and ExpertCopies.applies(model) == moes
+    for moe in moes:
+        for c, w in zip(moe.copies, (moe.w1, moe.w3, moe.w2)):
+            assert c.dtype == torch.bfloat16 and torch.equal(c, w.detach().to(torch.bfloat16)) and c.grad is None

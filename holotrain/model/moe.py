@@ -134,21 +134,23 @@ def balancing_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, rounds: int
     share of rows would take it, the others' held (for each row, the bias it needs to enter the row's top k: the k-th
     largest of the row's other biased scores less its own score; the expert's new bias lies between the share's and
     the next order statistic of those). Reads only per-row and per-expert order statistics, so the rows' order does
-    not matter. Centered (a shift of every bias changes no choice). Unchanged when there are too few rows."""
-    n_rows, n_experts = scores.shape
+    not matter. Centered (a shift of every bias changes no choice). Unchanged when there are too few rows.
+    Batched over leading dimensions: scores [..., N, E] and bias [..., E] (several blocks' in one pass: each round is
+    a few kernels whatever the count, which matters when it runs after every step)."""
+    n_rows, n_experts = scores.shape[-2:]
     share = n_rows * k // n_experts
     if share < 1 or share >= n_rows or k >= n_experts:
         return bias.clone()
     scores, bias = scores.float(), bias.float().clone()
     for _ in range(rounds):
-        biased = scores + bias
+        biased = scores + bias.unsqueeze(-2)
         top = biased.topk(k + 1, dim=-1).values
-        kth, next_ = top[:, k - 1:k], top[:, k:k + 1]
+        kth, next_ = top[..., k - 1:k], top[..., k:k + 1]
         # A chosen expert's rivals' k-th largest is the row's (k+1)-th; an unchosen one's, the row's k-th.
         needed = torch.where(biased >= kth, next_, kth) - scores
-        low = needed.topk(share + 1, dim=0, largest=False).values  # ascending: the share-th and the next
-        bias += 0.5 * (0.5 * (low[share - 1] + low[share]) - bias)
-        bias -= bias.mean()
+        low = needed.topk(share + 1, dim=-2, largest=False).values  # ascending: the share-th and the next
+        bias += 0.5 * (0.5 * (low[..., share - 1, :] + low[..., share, :]) - bias)
+        bias -= bias.mean(-1, keepdim=True)
     return bias
 
 
@@ -178,6 +180,7 @@ class MoE(nn.Module):
         else:
             self.expert_bias = None
         self.hooks = None  # the decoder's Hooks (its `experts` slot: expert parallelism), set by the decoder
+        self.copies: tuple[torch.Tensor, ...] | None = None  # bf16 w1, w3, w2 held over a step (ExpertCopies)
         self.grouped: bool | None = None  # grouped_swiglu's path (None: grouped GEMMs on CUDA in bf16)
         # Of the last forward: token copies per expert [E], (load balance, z-loss) values, the mean over tokens of
         # the routing distribution's entropy (nats; the trainer's routing metrics), the weighted aux term.
@@ -229,7 +232,10 @@ class MoE(nn.Module):
         """The sorted rows through their experts: here, or under expert parallelism (the decoder's `experts` hook,
         parallel/ep.py) sent to the ranks holding their experts, run there by `local` with that rank's share of the
         weights (a DTensor's local shard: the experts of that rank), and sent back."""
-        w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
+        if self.copies is not None:
+            w1, w3, w2 = self.copies
+        else:
+            w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
 
         mm = self.hooks.grouped_mm if self.hooks is not None else None
 
@@ -295,3 +301,48 @@ class MoE(nn.Module):
         """The expert bias starts at zero (a model built on "meta" and placed holds garbage)."""
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+
+
+class ExpertCopies:
+    """One device, bf16 autocast over fp32 weights: every MoE block's expert weights cast to bf16 once per optimizer
+    step instead of at each micro-batch's forward, and their gradients summed over the step's micro-batches on those
+    copies (in bf16, as autograd accumulates a leaf's), then handed to the fp32 weights once, before clipping and the
+    optimizer. The experts hold most of a MoE model's weights, and the per-micro-batch cast, the gradient's cast
+    back and its fp32 sum are memory passes over all of them at every micro-batch. With one micro-batch a step the
+    numerics are those of the cast under autocast; with several, the gradient's sum rounds to bf16 at each one.
+
+    Made when the trainer's step is built, after any checkpoint is loaded; the step calls `hand_over` before the
+    optimizer and `refresh` after it, so that the copies hold the weights the next forward (an evaluation's too) must
+    see. Code that changes the weights in place between steps calls `refresh`."""
+
+    def __init__(self, blocks: list[MoE], dtype: torch.dtype = torch.bfloat16):
+        self.blocks = blocks
+        for moe in blocks:
+            moe.copies = tuple(w.detach().to(dtype).requires_grad_() for w in (moe.w1, moe.w3, moe.w2))
+
+    @staticmethod
+    def applies(model: nn.Module) -> list[MoE]:
+        """The blocks whose expert weights are plain fp32 parameters (not DTensors: sharded weights take FSDP2's
+        or expert parallelism's path; not in bf16: nothing to cast)."""
+        blocks = list(model.moe_modules().values()) if hasattr(model, "moe_modules") else []
+        ok = all(isinstance(w, nn.Parameter) and not isinstance(w, DTensor) and w.dtype == torch.float32
+                 for moe in blocks for w in (moe.w1, moe.w3, moe.w2))
+        return blocks if ok else []
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for moe in self.blocks:
+            for copy, w in zip(moe.copies, (moe.w1, moe.w3, moe.w2)):
+                copy.copy_(w)
+
+    def hand_over(self) -> None:
+        """The copies' summed gradients onto the fp32 weights (added to any already there), one weight at a time."""
+        for moe in self.blocks:
+            for copy, w in zip(moe.copies, (moe.w1, moe.w3, moe.w2)):
+                if copy.grad is None:
+                    continue
+                if w.grad is None:
+                    w.grad = copy.grad.float()
+                else:
+                    w.grad.add_(copy.grad)
+                copy.grad = None

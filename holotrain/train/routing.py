@@ -125,11 +125,19 @@ class Routing:
         routing (balancing_bias over the step's sampled scores, from the current bias), averaged over the ranks that
         route other tokens through the same blocks, so that every rank holds the same bias."""
         solved = torch.zeros(len(self.layers), self.n_experts, dtype=torch.float32, device=self.sums.device)
+        by_shape: dict[tuple, list] = {}  # the blocks whose sampled scores have one shape, solved in one batch
         for row, moe in self.held:
             kept = self.scores.pop(id(moe), [])
             kept = kept[-self.micro_batches:] if self.micro_batches else kept
-            solved[row] = (balancing_bias(torch.cat(kept), moe.expert_bias, moe.top_k) if kept
-                           else moe.expert_bias)
+            if kept:
+                scores = torch.cat(kept)
+                by_shape.setdefault((tuple(scores.shape), moe.top_k), []).append((row, moe, scores))
+            else:
+                solved[row] = moe.expert_bias
+        for (_, k), blocks in by_shape.items():
+            rows = [row for row, _, _ in blocks]
+            solved[rows] = balancing_bias(torch.stack([s for _, _, s in blocks]),
+                                          torch.stack([moe.expert_bias for _, moe, _ in blocks]), k)
         if self.world > 1:
             dist.all_reduce(solved, group=self.group)
             solved /= dist.get_world_size(self.group)

@@ -9,6 +9,7 @@ import math
 import torch
 
 from holotrain.config import Config
+from holotrain.model.moe import ExpertCopies
 from holotrain.optim import StepOptimizer
 from holotrain.parallel import DistEnv
 
@@ -51,6 +52,10 @@ class TrainStep:
         # What levers ask to run after each backward (the delayed FP8 recipe's scale refresh: precision/lever.py).
         self.after_backward = list(model.hooks.after_backward)
         self.pipelined = hasattr(model, "pipeline")  # parallel/pp.py's PipelineModel: this rank's stages
+        # A MoE model's expert weights cast once a step, their gradients summed in bf16 (model/moe.py).
+        on = self.autocast and not self.pipelined and cfg.training.expert_weight_copies
+        blocks = ExpertCopies.applies(model) if on else []
+        self.expert_copies = ExpertCopies(blocks) if blocks else None
 
     def __call__(self, fetch, accum: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.optimizer.begin(lr, accum)
@@ -70,7 +75,11 @@ class TrainStep:
                     for hook in self.after_backward:
                         hook()
                 total = loss.detach() if total is None else total + loss.detach()
+        if self.expert_copies is not None:
+            self.expert_copies.hand_over()
         grad_norm = self.optimizer.finish()  # times its own phases (time.optimizer, time.offload_wait)
+        if self.expert_copies is not None:
+            self.expert_copies.refresh()
         return total, grad_norm
 
     def _pipeline_step(self, fetch, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
