@@ -40,7 +40,7 @@ def watch(every: int, rows: list[dict]) -> None:
         if torch.is_grad_enabled() and self.expert_bias is not None:
             n = forwards[id(self)] = forwards.get(id(self), 0) + 1
             layer = layer_of.setdefault(id(self), len(layer_of))
-            if n % every == 1:
+            if (n - 1) % every == 0:
                 with torch.no_grad():
                     s, bias, k, E = scores.detach().float(), self.expert_bias, self.top_k, self.n_experts
                     first, second = s[:s.shape[0] // 2], s[s.shape[0] // 2:]

@@ -88,3 +88,41 @@ def test_moe_summary_reads_the_parts(tmp_path, capsys):
     assert "sigmoid loss / auxiliary-loss run's: 0.9901" in out
     assert "balance solve: max/mean expert load after step 100: worst 1.200" in out
     assert "solve loss / auxiliary-loss run's: 1.0020" in out
+
+
+def test_balance_floor_counts_the_three_biases_of_a_watched_forward():
+    """bench/balance_floor.py's watch: in a training forward of a sigmoid-routed block it records, on the second
+    half of the rows, the max/mean load of the block's own bias ("now"), of a bias solved on those rows ("self") and
+    of one solved on the first half ("cross"), each as max_over_mean counts it; nothing in a no_grad forward."""
+    from holotrain.model.moe import balancing_bias
+
+    floor = _bench("balance_floor")
+    args = model_args(resolve(load_config(None, [
+        "--model.family=qwen3_moe", "--model.router=sigmoid", "--model.dim=32", "--model.n_experts=8",
+        "--model.n_active_experts=2", "--model.moe_ffn_dim=16"]), tokenizer_vocab=64).model)
+    record = MoE.record
+    rows: list[dict] = []
+    try:
+        floor.watch(1, rows)
+        torch.manual_seed(0)
+        moe = MoE(args)
+        for w in (moe.router.weight, moe.w1, moe.w3, moe.w2):
+            torch.nn.init.normal_(w, std=0.5)
+        moe.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))
+        x = torch.randn(4, 64, 32)
+        with torch.no_grad():
+            moe(x)
+        assert rows == []
+        moe(x)
+    finally:
+        MoE.record = record
+    (row,) = rows
+    scores = moe.route(x.reshape(-1, 32))[3].detach()
+    first, second = scores[:128], scores[128:]
+    bias = moe.expert_bias
+    assert row["now"] == floor.max_over_mean(second, bias, 2, 8)
+    assert row["self"] == floor.max_over_mean(second, balancing_bias(second, bias, 2), 2, 8)
+    assert row["cross"] == floor.max_over_mean(second, balancing_bias(first, bias, 2), 2, 8)
+    assert row["self"] < 1.1 < row["now"]
+    loads = torch.bincount((second + bias).topk(2).indices.flatten(), minlength=8).float()
+    assert row["now"] == (loads.max() / loads.mean()).item()
