@@ -98,7 +98,9 @@ part_eval() {
 #   balance  moe-balance (12 layers of d 1024, 64 experts, top 8) on the embedded corpus, its 300 steps once per
 #            BALANCE entry (default "solve sigmoid aux"): the sigmoid router (auxiliary-loss-free) with its bias solved
 #            from each step's scores (model.router_bias_update = "solve"), with the sign rule (the config's default;
-#            BIAS_RATE sets model.router_bias_rate), and the softmax router with model.moe_aux_loss_coef = 0.01
+#            BIAS_RATE sets model.router_bias_rate), and the softmax router with model.moe_aux_loss_coef = 0.01;
+#            BALANCE_BATCH sets the sequences a step (micro-batches of 16: the floor of a one-step-late bias falls with
+#            the documents a step holds, bench/balance_floor.py)
 # Summary: bench/moe_summary.py OUT_DIR.
 part_moe() {
   local steps=${1:-40} what=${2:-train peer}
@@ -132,6 +134,7 @@ part_moe() {
                local extra=(${BIAS_RATE:+--model.router_bias_rate=$BIAS_RATE})
                [ $run = solve ] && extra=(--model.router_bias_update=solve)
                [ $run = aux ] && extra=(--model.router=softmax --model.moe_aux_loss_coef=0.01)
+               [ -n "${BALANCE_BATCH:-}" ] && extra+=(--training.batch_size="$BALANCE_BATCH" --training.micro_batch_size=16)
                logged "balance $run" "$out/balance-$run.log" 240 python3 -m holotrain.cli train --config moe-balance \
                  --job.run_dir=/tmp/moe-balance-$run "${extra[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
                keep_metrics /tmp/moe-balance-$run balance-$run
