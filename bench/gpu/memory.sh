@@ -107,6 +107,7 @@ part_offload() {
 #             the memory levers "auto" picks (tiled feed-forwards, block inputs on the host where "full" does not fit).
 # PARTS, comma-separated (default holotrain,peer).
 #   env: TS="8192 32768 131072" STEPS=12 PEER_TS="8192 32768 49152 65536" LONG_TS="32768" EXTRA="" (more train arguments)
+#   LC_CAP=420 (seconds a training run may take)
 part_long_context() {
   local parts=${1:-holotrain,peer}
   local steps=${STEPS:-12}
@@ -116,7 +117,7 @@ part_long_context() {
   lc_run() {  # name, extra args
     local name=$1
     shift
-    logged "$name" "$out/$name.log" 420 "${train[@]}" --job.run_dir=/tmp/lc-$name "$@"
+    logged "$name" "$out/$name.log" "${LC_CAP:-420}" "${train[@]}" --job.run_dir=/tmp/lc-$name "$@"
     grep "auto ->\|rror\|context" "$out/$name.log" | head -4
     keep_metrics /tmp/lc-$name "$name"
   }
