@@ -14,7 +14,7 @@ ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab
 
 def _grads(model, batches, offload=None):
     model.zero_grad(set_to_none=True)
-    model.hooks.install("run_block", None if offload is None else offload.run_block, "memory")
+    model.hooks.install("run_blocks", offload, "memory")
     losses = []
     for tokens in batches:  # gradient accumulation: the host buffers are reused by the next micro-batch
         loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -69,7 +69,7 @@ def test_checkpointed_blocks_offload_their_inputs_alone(compiled):
     got_losses, got = _grads(model, batches, offload)
     assert got_losses == want_losses and all(torch.equal(got[n], want[n]) for n in want)
     assert offload.host_bytes == 2 * 2 * 32 * ARGS.dim * 4, [s.host.shape for s in offload._slots.values()]
-    model.hooks.install("run_block", offload.run_block, "memory")
+    model.hooks.install("run_blocks", offload, "memory")
     model(batches[0][:, :-1], batches[0][:, 1:], doc_ids).backward()
     assert offload.host_bytes == 2 * 2 * 32 * ARGS.dim * 4, [s.host.shape for s in offload._slots.values()]
     # With the feed-forwards tiled too (the long-sequence set "auto" picks): the same gradients, the same host bytes.

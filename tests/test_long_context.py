@@ -60,10 +60,10 @@ def test_auto_adds_tiles_then_offloaded_inputs_where_recomputation_alone_does_no
                                                                  "activation_checkpointing_blocks": 0}
 
 
-def test_the_8b_config_fits_an_h200_at_256k_and_needs_more_host_memory_at_512k():
+def test_the_8b_config_fits_an_h200_at_256k_and_at_512k_in_recompute_segments():
     """--config llama3-8b: the Llama 3 8B shape; by the memory plan on an H200 (140 GB, 120 GB of host memory) its
-    262,144 tokens fit with the levers "auto" picks, and 524,288 do not: every choice needs more host memory than
-    that (the offloaded optimizer's 112 GB and the block inputs the GPU cannot hold)."""
+    262,144 tokens fit with every block's input kept, and 524,288 only in recompute segments of 4 blocks: the host,
+    with the offloaded optimizer's 112 GB, has no room for the inputs the GPU cannot hold. 786,432 fit nowhere."""
     import dataclasses
 
     from holotrain.memory.plan import plan_memory
@@ -72,17 +72,23 @@ def test_the_8b_config_fits_an_h200_at_256k_and_needs_more_host_memory_at_512k()
 
     gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
     capacity = dict(gpu_capacity=140e9, host_capacity=120e9)
-    for seq_len, fits in ((262144, True), (524288, False)):
+    for seq_len, segment, fits in ((262144, 1, True), (524288, 4, True), (786432, 1, False)):
         cfg = resolve(load_config("llama3-8b", [f"--data.seq_len={seq_len}"]), tokenizer_vocab=32000)
         m = cfg.model
         assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
         chosen = checkpointing_choice(cfg, gpu, 1, 1, **capacity)
+        assert chosen.get("activation_checkpointing_segment", 1) == segment and not chosen.get(
+            "activation_offload_blocks"), (seq_len, chosen)
         cfg.memory = dataclasses.replace(cfg.memory, **chosen)
         with torch.device("meta"):
             model = build(model_args(cfg))
         assert 8.0e9 < num_params(model) < 8.1e9
         plan = plan_memory(model, cfg, 1, gpu.device, 1, 1, ratio=1.0, **capacity)
         assert (plan.gpu_fits and plan.host_fits) == fits, (seq_len, chosen, plan.gpu_need / 1e9, plan.host_need / 1e9)
+        if segment > 1:  # 8 inputs kept and 3 in flight of 4.3 GB each, where 32 would be 137 GB
+            without = plan_memory(model, dataclasses.replace(cfg, memory=dataclasses.replace(
+                cfg.memory, activation_checkpointing_segment=1)), 1, gpu.device, 1, 1, ratio=1.0, **capacity)
+            assert 90e9 < without.gpu_need - plan.gpu_need < 95e9
 
 
 def test_attention_benchmark_runs_its_cpu_smoke(tmp_path):

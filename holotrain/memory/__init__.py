@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from holotrain.memory import fit, plan
-from holotrain.memory.activation_checkpointing import apply_activation_checkpointing
+from holotrain.memory.activation_checkpointing import Segments, apply_activation_checkpointing
 from holotrain.memory.activation_offload import ActivationOffload
 from holotrain.optim import AdamWHyper, DeviceAdamW, StepOptimizer
 
@@ -52,7 +52,7 @@ class Memory:
                            local_ranks=self.env.local_world_size)
 
     def apply(self, model: nn.Module, vocab_parallel_loss: bool = False) -> None:
-        """Activation checkpointing and offload, feed-forwards tiled over the sequence, and the loss in pieces, on the
+        """Activation checkpointing (with its segments) and offload, feed-forwards tiled over the sequence, and the loss in pieces, on the
         plain (or tensor-parallel) model. A vocabulary-parallel loss (tensor parallelism) holds 1/tp of the logits and
         is never chunked."""
         if self.section.activation_checkpointing != "none":
@@ -61,7 +61,9 @@ class Memory:
         if self.section.activation_offload_blocks:
             self.activation_offload = ActivationOffload(self.section.activation_offload_blocks, len(model.layers),
                                                         self.env.device, announce=self.env.is_main)
-            model.hooks.install("run_block", self.activation_offload.run_block, "memory")
+            model.hooks.install("run_blocks", self.activation_offload, "memory")
+        if self.section.activation_checkpointing_segment > 1:
+            model.hooks.install("run_blocks", Segments(self.section.activation_checkpointing_segment), "memory")
         if self.section.ffn_tiles > 1:
             model.tile_feed_forward(self.section.ffn_tiles)
         model.hooks.install("loss_chunk_tokens", 0 if vocab_parallel_loss else plan.chunk_tokens(self.section),

@@ -19,6 +19,11 @@ Policies (`memory.activation_checkpointing`):
                feed-forward and the norms) at a little over "full"'s memory.
 The booleans true / false are accepted as "full" / "none".
 
+`memory.activation_checkpointing_segment` = k > 1 (with "full" on every block) keeps only every k-th block's input
+through the step: backward re-runs each segment of k blocks from its input, keeping their inputs only, then
+recomputes each block as "full" does. For one long sequence, where n_layers inputs no longer fit the GPU (nor the
+rest in host memory), it holds n_layers / k of them plus k - 1 in flight, for one more forward of every block.
+
 `memory.activation_checkpointing_blocks` = N > 0 applies "full", "pointwise" or "all-but-attention" to N blocks
 spread evenly over the depth instead of every block: the memory saved falls in proportion, the time spent less so
 (the planner's "how many blocks").
@@ -34,7 +39,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 POLICIES = ("none", "full", "selective", "pointwise", "all-but-attention")
 # The policies that take memory.activation_checkpointing_blocks (on N blocks spread over the depth).
@@ -96,10 +101,19 @@ def long_sequence_choices(n_layers: int, seq_len: int) -> list[dict]:
     """Past what recomputation alone fits, the memory section's settings to try in turn: every block recomputed, its
     feed-forward tiled over the sequence (memory.ffn_tiles) where the sequence is longer than TILE_TOKENS, then the
     inputs of the first 1, 2, ... n_layers blocks on the host (memory.activation_offload_blocks): the GPU keeps as
-    many as it holds."""
+    many as it holds. Then, where the host cannot take them either, recompute segments of segment_size() blocks
+    (memory.activation_checkpointing_segment): one more forward of every block."""
     tiles = max(1, math.ceil(seq_len / TILE_TOKENS))
-    return [{"activation_checkpointing": "full", "activation_checkpointing_blocks": 0, "ffn_tiles": tiles,
-             "activation_offload_blocks": k} for k in range(n_layers + 1)]
+    full = {"activation_checkpointing": "full", "activation_checkpointing_blocks": 0, "ffn_tiles": tiles}
+    return ([{**full, "activation_offload_blocks": k, "activation_checkpointing_segment": 1}
+             for k in range(n_layers + 1)]
+            + [{**full, "activation_offload_blocks": 0, "activation_checkpointing_segment": segment_size(n_layers)}])
+
+
+def segment_size(n_layers: int) -> int:
+    """The segment length that holds the fewest block inputs at once (kept plus in flight; about sqrt(n_layers),
+    the shortest of equals). Every length re-runs every block once, so the fewest inputs cost no more time."""
+    return min(range(2, max(2, n_layers) + 1), key=lambda k: (sum(segment_inputs(n_layers, k)), k))
 
 
 def recompute_share(policy: str, n_layers: int, blocks_share: float = 1.0, blocks: int = 0) -> float:
@@ -170,3 +184,47 @@ def apply_activation_checkpointing(model: nn.Module, policy: str = "full", block
     for i in policy_blocks(policy, len(names), blocks):
         model.layers.register_module(names[i], checkpoint_wrapper(model.layers[names[i]], preserve_rng_state=False,
                                                                   **extra))
+
+
+class Segments:
+    """The model's run_blocks hook for memory.activation_checkpointing_segment = k: each run of k blocks under one
+    more (non-reentrant) checkpoint around the blocks' own. Forward keeps the segment's input only; backward's first
+    unpack re-runs the segment's blocks, each keeping its input. The re-run includes the segment's last block: torch's
+    early stop ends a recomputation at its last saved tensor, and a block saves its input only when its forward (a
+    compiled region, or its own checkpoint) has run."""
+
+    saves_to_host = False
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, blocks: list[tuple[int, nn.Module]], h: torch.Tensor, *args) -> torch.Tensor:
+        for start in range(0, len(blocks), self.k):
+            group = [block for _, block in blocks[start:start + self.k]]
+            if len(group) == 1 or not torch.is_grad_enabled():
+                h = _run(group, h, *args)
+            else:
+                h = checkpoint(_run, group, h, *args, use_reentrant=False, preserve_rng_state=False)
+        return h
+
+
+def _run(group: list[nn.Module], h: torch.Tensor, *args) -> torch.Tensor:
+    for block in group:
+        h = block(h, *args)
+    return h
+
+
+def segment_recompute_share(n_layers: int, k: int) -> float:
+    """The share of the blocks whose forward a segment's re-run adds (a third forward of a "full" block): every block
+    of a segment of two or more."""
+    if k <= 1:
+        return 0.0
+    rest = n_layers % k
+    return (n_layers - (rest if rest == 1 else 0)) / n_layers
+
+
+def segment_inputs(n_layers: int, k: int) -> tuple[int, int]:
+    """(kept, in flight): the block inputs held through the step, and those a segment's re-run adds in backward."""
+    if k <= 1:
+        return n_layers, 0
+    return math.ceil(n_layers / k), min(k, n_layers) - 1

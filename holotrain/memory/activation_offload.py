@@ -8,8 +8,8 @@ GPU holds go there (Arctic's offloaded checkpoints), their copies small beside t
 micro-batch 16 without checkpointing keeps about 2.2 GB per block for backward, and the link moves that in about
 45 ms; the whole forward takes about 140 ms, the backward of the blocks above the offloaded ones twice that.
 
-How: the model runs each block through `run_block` (Llama.around_block), outside the block's compiled region. An
-offloaded block runs under torch.autograd.graph.saved_tensors_hooks. A compiled block saves its tensors when its
+How: the model runs its blocks through this object (its `run_blocks` hook), each outside the block's compiled
+region. An offloaded block runs under torch.autograd.graph.saved_tensors_hooks. A compiled block saves its tensors when its
 forward returns and unpacks them all when its backward starts; an eager block, op by op.
 - Pack: a GPU tensor of at least MIN_BYTES is copied, on the offload stream, into a pinned host buffer of its own
   (made on the first step, reused by every later one), once the compute stream has produced it. record_stream
@@ -85,6 +85,8 @@ class _Packed:
 
 
 class ActivationOffload:
+    saves_to_host = True  # the model's run_blocks hook: evaluation then runs without grad (nothing to copy out)
+
     def __init__(self, n_blocks: int, n_layers: int, device: torch.device, min_bytes: int = MIN_BYTES,
                  announce: bool = False):
         self.n_blocks, self.min_bytes = n_blocks, min_bytes
@@ -107,6 +109,11 @@ class ActivationOffload:
     def host_bytes(self) -> int:
         """Pinned host memory held for the saved tensors (after the first step)."""
         return sum(s.host.untyped_storage().nbytes() for s in self._slots.values())
+
+    def __call__(self, blocks: list[tuple[int, torch.nn.Module]], h: torch.Tensor, *args) -> torch.Tensor:
+        for index, block in blocks:
+            h = self.run_block(index, block, h, *args)
+        return h
 
     def run_block(self, index: int, block: torch.nn.Module, h: torch.Tensor, *args):
         """Block `index` of the model on `h`; its saved tensors go to the host if it is one of the first N."""

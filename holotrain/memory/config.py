@@ -48,6 +48,10 @@ class MemoryConfig(Section):
     # Each block's feed-forward runs the sequence in this many tiles, each recomputed in backward from its input
     # (Arctic's tiled MLP): gate, up and their product never held for the whole sequence. 1 = off.
     ffn_tiles: int = 1
+    # With "full" on every block, only every k-th block's input is kept through the step; backward re-runs each
+    # segment of k blocks from it (memory/activation_checkpointing.py). For sequences whose n_layers block inputs fit
+    # neither the GPU nor the host. 1 = off.
+    activation_checkpointing_segment: int = 1
 
     def check(self) -> None:
         """Also normalises what the section accepts in more than one spelling (activation_checkpointing = true,
@@ -74,6 +78,15 @@ class MemoryConfig(Section):
              f"memory.offload_kernel must be auto, native or torch, got {self.offload_kernel!r}")
         need(self.offload_threads >= 0, f"memory.offload_threads must be >= 0, got {self.offload_threads}")
         need(self.ffn_tiles >= 1, f"memory.ffn_tiles must be >= 1 (1: off), got {self.ffn_tiles}")
+        k = self.activation_checkpointing_segment
+        need(k >= 1, f"memory.activation_checkpointing_segment must be >= 1 (1: off), got {k}")
+        need(k == 1 or (ac == "full" and not self.activation_checkpointing_blocks),
+             f"memory.activation_checkpointing_segment = {k} re-runs blocks checkpointed whole: set "
+             'memory.activation_checkpointing = "full" on every block (activation_checkpointing_blocks = 0)')
+        need(k == 1 or not self.activation_offload_blocks,
+             f"memory.activation_checkpointing_segment = {k} and memory.activation_offload_blocks = "
+             f"{self.activation_offload_blocks} do not combine: keep segment inputs on the GPU or block inputs on the "
+             "host, not both")
         need(self.offload_gil_switch_ms >= 0, f"memory.offload_gil_switch_ms must be >= 0 (0 = Python's own), got "
              f"{self.offload_gil_switch_ms}")
         need(self.offload or not self.offload_delayed_update,

@@ -124,14 +124,18 @@ def _suggestions(model, cfg, world_size, device, micro, accum, plan: Plan, capac
         if result:
             out.append(f"{text}: {result}")
     # A long sequence: "full" with tiled feed-forwards and the fewest block inputs in host memory that fit.
-    if device.type == "cuda" and mem.ffn_tiles == 1 and not mem.activation_offload_blocks:
+    if (device.type == "cuda" and mem.ffn_tiles == 1 and not mem.activation_offload_blocks
+            and mem.activation_checkpointing_segment == 1):
         for choice in long_sequence_choices(cfg.model.n_layers, cfg.data.seq_len):
             if outcome(_with(cfg, **choice), micro, accum) == "fits":
                 tiles, moved = choice["ffn_tiles"], choice["activation_offload_blocks"]
+                segment = choice["activation_checkpointing_segment"]
                 out.append('memory.activation_checkpointing = "full"' + (f", memory.ffn_tiles = {tiles}" if tiles > 1
                                                                          else "")
                            + (f", memory.activation_offload_blocks = {moved} (those blocks' inputs in host memory)"
-                              if moved else "") + ": fits")
+                              if moved else "")
+                           + (f", memory.activation_checkpointing_segment = {segment} (one input kept every {segment} "
+                              "blocks)" if segment > 1 else "") + ": fits")
                 break
     out.append("memory.check_fit = false to try anyway")
     return out

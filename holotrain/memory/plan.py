@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from holotrain.memory.activation_checkpointing import (attention_kept_blocks, checkpointed_blocks, grouped_gemms_kept,
-                                                       pointwise_blocks, pointwise_kept_share)
+                                                       pointwise_blocks, pointwise_kept_share, segment_inputs)
 from holotrain.model.costs import (block_backward_bytes, block_saved_values, expert_params, moe_pointwise_bytes,
                                    moe_saved_bytes)
 from holotrain.parallel.cost import EP_IMBALANCE
@@ -316,7 +316,9 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
                 + n_lean * (per_block * lean_share + moe_lean + probs + lse) + (n_plain + n_lean) * cast)
 
     offloaded = kept(plain_off, 0) + inputs_off * tokens * elem_bytes * m.dim
-    saved = (kept(plain, lean) - offloaded + recomputed * tokens * elem_bytes * m.dim
+    # Segments (memory.activation_checkpointing_segment): every k-th input kept, k - 1 more in flight in backward.
+    inputs, in_flight = segment_inputs(recomputed, getattr(cfg.memory, "activation_checkpointing_segment", 1))
+    saved = (kept(plain, lean) - offloaded + inputs * tokens * elem_bytes * m.dim
              + len(attention_at) * (tokens * elem_bytes * args.q_dim + lse))
     # Held by every block until the end of backward: cos and sin gathered per token (positions restart per document),
     # and the whole row's document mask, dense on a CPU, block-sparse on a GPU.
@@ -334,7 +336,8 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     # In backward, once the loss's tensors are freed: the gradients a block's backward makes besides what it keeps
     # (of its output, and the FFN's gate and up), on top of one recomputed block when blocks are checkpointed.
     recompute = ((per_block + probs) * fp8 + moe + lse) if recomputed else 0.0
-    recompute += tokens * block_backward_bytes(args, elem_bytes, imbalance) + tiled + cp_buffers(cfg, micro, elem_bytes)
+    recompute += (tokens * block_backward_bytes(args, elem_bytes, imbalance) + tiled + cp_buffers(cfg, micro, elem_bytes)
+                  + in_flight * tokens * elem_bytes * m.dim)
     return Activations(saved, loss, recompute, offloaded, held)
 
 

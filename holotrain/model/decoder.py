@@ -32,7 +32,9 @@ RESIDUAL_OUTPUTS = ("wo.weight", "w2.weight", ".w2")
 class Hooks:
     """What levers plug into a model, each slot owned by one lever (a second owner is refused):
 
-    run_block      memory (activation offload): run_block(index, block, h, cos, sin, mask) runs each block
+    run_blocks     memory (activation offload, recompute segments): run_blocks(blocks, h, cos, sin, mask) runs the
+                   blocks, a list of (index, block), in turn and returns the last one's output; its `saves_to_host`
+                   says whether what they save for backward leaves the device
     after_backward precision (delayed FP8): callables the training step runs after each backward
     loss           tensor parallelism: loss(h, targets), the vocabulary-parallel cross-entropy in place of the model's
     sequence       context parallelism: split(tokens, targets, doc_ids, T) spreads each sequence over the group
@@ -44,7 +46,7 @@ class Hooks:
     sequence_shards (through shard_sequence): the hidden state between blocks holds 1/this of each sequence's tokens
     """
 
-    SLOTS = {"run_block": None, "after_backward": (), "loss": None, "sequence": None, "loss_chunk_tokens": 0,
+    SLOTS = {"run_blocks": None, "after_backward": (), "loss": None, "sequence": None, "loss_chunk_tokens": 0,
              "tp_comm": None, "experts": None, "grouped_mm": None}
 
     def __init__(self):
@@ -261,9 +263,11 @@ class Decoder(nn.Module):
             # Carry the residual stream in the autocast dtype (bf16), as FSDP2's bf16 parameters do:
             # every norm and residual add then moves half the bytes.
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        run_block = self.hooks.run_block
-        for i, block in enumerate(self.layers.values()):
-            h = block(h, cos, sin, mask) if run_block is None else run_block(i, block, h, cos, sin, mask)
+        if self.hooks.run_blocks is None:
+            for block in self.layers.values():
+                h = block(h, cos, sin, mask)
+        else:
+            h = self.hooks.run_blocks(list(enumerate(self.layers.values())), h, cos, sin, mask)
         if self.pipeline_stage:
             return h
         if targets is None:

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from holotrain.memory.activation_checkpointing import (checkpointed_blocks, pointwise_blocks, recompute_share,
-                                                       recomputed_blocks)
+                                                       recomputed_blocks, segment_recompute_share)
 from holotrain.memory.activation_offload import OUT_BYTES_S, exposed_copy_s
 from holotrain.memory.offload.cost import ADAMW_IN_TRAINING, exposed_cpu_step
 from holotrain.memory.plan import (
@@ -263,17 +263,21 @@ def predict(model, cfg, machine: Machine, calib: Calibration, micro: int, accum:
     if cfg.memory.ffn_tiles > 1:  # each tile's gate and up run again in its backward: 2 * 2 * dim * ffn a token
         tiled = 4 * m.dim * m.ffn_dim * (m.n_layers - args.moe_layers) / linear
         recompute_gemm_s += matmul_time(gemm_s * tiled, t.fp8, calib.fp8_gain)
+    # Segments run their blocks' forward once more (memory.activation_checkpointing_segment): a third of their
+    # matmul FLOPs again, and their attention's forward below.
+    again_share = segment_recompute_share(m.n_layers, getattr(cfg.memory, "activation_checkpointing_segment", 1))
+    recompute_gemm_s += matmul_time(gemm_s * blocks_share * again_share / 3, t.fp8, calib.fp8_gain)
     whole = len(checkpointed_blocks(ac, m.n_layers, ac_blocks)) / m.n_layers
     mode = cp_mode(cfg) if cp > 1 else ""
     attention_s = attention_seconds(args, seq, tokens / ranks, machine.attention_rate, calib.attention_density,
                                     calib.masked_share, ring=mode == "ring") * (calib.attention_scale or 1.0)
-    recompute_attention_s = attention_s * whole * ATTENTION_FORWARD_SHARE
+    recompute_attention_s = attention_s * (whole + again_share) * ATTENTION_FORWARD_SHARE
     link = calib.link_bytes_s or LINK_BYTES_S[machine.device]
     lean = 0.0 if grouped_gemms_kept(machine.device == "cuda") else len(pointwise_blocks(ac, m.n_layers, ac_blocks))
     bf16 = t.dtype == "bf16" or (t.dtype == "auto" and machine.device == "cuda")  # memory/plan.py's rule
     again = len(recomputed_blocks(ac, m.n_layers, ac_blocks)) / m.n_layers  # blocks whose experts run again
     moe = moe_terms(args, micro * seq / cp, accum, ep, 2 if bf16 else 4, machine.gemm_flops * eff, link,
-                    again + lean / m.n_layers, machine.device)
+                    again + again_share + lean / m.n_layers, machine.device)
     routing_s = 0.0
     if moe:  # the experts are not FP8 linears: at the bf16 rate
         linear_s, recompute_gemm_s, routing_s = (linear_s + moe.expert_s, recompute_gemm_s + moe.recompute_s,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, parse_overrides, resolve
-from holotrain.memory.activation_checkpointing import TILE_TOKENS, checkpointing_choices
+from holotrain.memory.activation_checkpointing import TILE_TOKENS, checkpointing_choices, segment_size
 from holotrain.memory.plan import usable_cores
 from holotrain.parallel.dims import ParallelDims
 from holotrain.model import build
@@ -81,6 +81,8 @@ class Candidate:
             parts.append(f"activations of {s['memory.activation_offload_blocks']} blocks on the host")
         if s.get("memory.ffn_tiles", 1) > 1:
             parts.append(f"feed-forward in {s['memory.ffn_tiles']} tiles")
+        if s.get("memory.activation_checkpointing_segment", 1) > 1:
+            parts.append(f"inputs of every {s['memory.activation_checkpointing_segment']}th block kept")
         if s.get("training.fp8", "none") != "none":
             parts.append("fp8")
         if s.get("memory.loss_chunk_tokens"):
@@ -124,7 +126,8 @@ def _tp_sizes(cfg: Config, ranks: int) -> list[int]:
 PLANNED_KEYS = ("training.micro_batch_size", "memory.activation_checkpointing",
                 "memory.activation_checkpointing_blocks", "memory.offload", "memory.offload_ratio", "training.compile",
                 "memory.loss_chunk_tokens", "training.fp8", "parallel.tp", "parallel.tp_overlap",
-                "memory.activation_offload_blocks", "memory.ffn_tiles", "parallel.cp", "parallel.cp_mode", "parallel.ep")
+                "memory.activation_offload_blocks", "memory.ffn_tiles", "memory.activation_checkpointing_segment",
+                "parallel.cp", "parallel.cp_mode", "parallel.ep")
 
 
 def held_settings(cfg: Config, overrides: list[str]) -> dict:
@@ -215,8 +218,10 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
         per_rank = t.batch_size // dp
         tiles = [1] + ([math.ceil(cfg.data.seq_len / cp / TILE_TOKENS)] if whole and tp == 1 and gpu
                        and cfg.data.seq_len / cp > TILE_TOKENS else [])
-        for micro, tile in ((m, k) for m in range(1, min(per_rank, MAX_MICRO) + 1) if per_rank % m == 0
-                            for k in tiles):
+        # Recompute segments with tiled feed-forwards and no block inputs on the host (as the trainer's "auto").
+        segments = [1] + ([segment_size(n)] if len(tiles) > 1 and not act_off and cp == 1 else [])
+        for micro, tile, segment in ((m, k, g) for m in range(1, min(per_rank, MAX_MICRO) + 1) if per_rank % m == 0
+                                     for k in tiles for g in segments if g == 1 or k > 1):
             if chunk and micro * cfg.data.seq_len // cp <= chunk:
                 continue  # a micro-batch of one piece: the same step as the unchunked loss
             if delayed and dp == 1 and micro != per_rank:
@@ -224,7 +229,8 @@ def enumerate_candidates(cfg: Config, machine: Machine, ranks: int = 1) -> list[
             settings = {"training.micro_batch_size": micro, "memory.activation_checkpointing": ac,
                         "memory.activation_checkpointing_blocks": blocks, "memory.offload": offload,
                         "memory.offload_ratio": ratio, "training.compile": compiled, "memory.loss_chunk_tokens": chunk,
-                        "memory.activation_offload_blocks": act_off, "memory.ffn_tiles": tile}
+                        "memory.activation_offload_blocks": act_off, "memory.ffn_tiles": tile,
+                        "memory.activation_checkpointing_segment": segment}
             if gpu:
                 settings["training.fp8"] = fp8
             if ranks > 1:

@@ -134,7 +134,8 @@ class Evaluator:
         # its activations are freed before the next forward. Not under activation offload, whose hooks would copy
         # the saved tensors out for a backward that never comes (one more graph is compiled then).
         t0 = time.perf_counter()
-        with torch.set_grad_enabled(model.hooks.run_block is None):
+        runner = model.hooks.run_blocks
+        with torch.set_grad_enabled(runner is None or not runner.saves_to_host):
             row = self._score(model)
         if self.samples is not None:
             row.update(self.samples(model))

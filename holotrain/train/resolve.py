@@ -231,9 +231,9 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
     the least recomputation that the memory plan fits, agreed by all ranks, as the memory section's settings. Where
     even "full" does not fit, and the job left memory.ffn_tiles and memory.activation_offload_blocks at their
     defaults, the long-sequence levers in turn (activation_checkpointing.long_sequence_choices: feed-forwards tiled,
-    then as few blocks' inputs on the host as fit); "full" if nothing fits, which the memory check then refuses with
-    the numbers. Long sequences are what make it matter: the 1.4b keeps every activation at T = 2048 and recomputes
-    blocks at T = 131072. The recomputation counted: the matmuls run again, and the attention forward of the blocks
+    then as few blocks' inputs on the host as fit, then recompute segments); "full" if nothing fits, which the
+    memory check then refuses with the numbers. Long sequences are what make it matter: the 1.4b keeps every
+    activation at T = 2048 and recomputes blocks at T = 131072. The recomputation counted: the matmuls run again, and the attention forward of the blocks
     recomputed whole, which at long sequences outweighs them ("all-but-attention" keeps it). `capacity`:
     plan_memory's, in place of this machine's."""
     mem = cfg.memory
@@ -259,7 +259,7 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
     # on a CPU the host is the device memory, so its inputs have nowhere to go).
     par = cfg.parallel
     if (env.device.type == "cuda" and mem.ffn_tiles == 1 and not mem.activation_offload_blocks
-            and par.tp == par.pp == getattr(par, "cp", 1) == 1):
+            and mem.activation_checkpointing_segment == 1 and par.tp == par.pp == getattr(par, "cp", 1) == 1):
         choices += long_sequence_choices(n_layers, cfg.data.seq_len)
     with torch.device("meta"):
         model = build(args)
@@ -283,6 +283,8 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
         what = chosen["activation_checkpointing"] + (f" on {blocks} of {n_layers} blocks" if blocks else "")
         what += f", memory.ffn_tiles = {tiles}" if tiles > 1 else ""
         what += f", memory.activation_offload_blocks = {moved} (their inputs in host memory)" if moved else ""
+        segment = chosen.get("activation_checkpointing_segment", 1)
+        what += f", memory.activation_checkpointing_segment = {segment}" if segment > 1 else ""
         # The chosen setting's need; where nothing fits, the memory check that follows gives the numbers.
         need = (f": {fitted.gpu_need / 1e9:.1f} of {fitted.gpu_capacity / 1e9:.1f} GB"
                 if fitted and fitted.gpu_capacity else "")
