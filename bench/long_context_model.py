@@ -32,16 +32,17 @@ from holotrain.plan.planner import job_config  # noqa: E402
 from holotrain.train.resolve import model_args  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
-# run file, preset, seq_len, batch, the checkpointing the run chose ("long-32768": long documents, every row one
-# document's piece; the others: the embedded corpus)
+# run file, shipped config, preset, seq_len, batch, the memory settings the run chose ("long-32768": long
+# documents, every row one document's piece; the others: the embedded corpus)
+FULL = "memory.activation_checkpointing"
 RUNS = [
-    ("hl-8192", "1.4b", 8192, 1, ("none", 0)),
-    ("long-32768", "1.4b", 32768, 1, ("none", 0)),
-    ("hl-32768", "1.4b", 32768, 1, ("none", 0)),
-    ("hl-131072", "1.4b", 131072, 1, ("selective", 0)),
-    ("hl-262144", "1.4b", 262144, 1, ("full", 0)),
-    ("7b-32768", "7b", 32768, 1, ("full", 24)),
-    ("7b-2048", "7b", 2048, 16, ("full", 24)),
+    ("hl-8192", "1.4b", "1.4b", 8192, 1, {FULL: "none"}),
+    ("long-32768", "1.4b", "1.4b", 32768, 1, {FULL: "none"}),
+    ("hl-32768", "1.4b", "1.4b", 32768, 1, {FULL: "none"}),
+    ("hl-131072", "1.4b", "1.4b", 131072, 1, {FULL: "selective"}),
+    ("hl-262144", "1.4b", "1.4b", 262144, 1, {FULL: "full"}),
+    ("7b-32768", "1.4b", "7b", 32768, 1, {FULL: "full", "memory.activation_checkpointing_blocks": 24}),
+    ("7b-2048", "1.4b", "7b", 2048, 16, {FULL: "full", "memory.activation_checkpointing_blocks": 24}),
 ]
 
 
@@ -76,10 +77,14 @@ def main() -> None:
           f"{machine.attention_flops * 1e-12:.0f} TFLOP/s")
     print(f"{'run':12} {'AC':14} {'peak plan':>9} {'measured':>9} {'err':>6}  {'masked':>6} {'density':>7}  "
           f"{'step plan':>9} {'measured':>8} {'err':>6}  {'worst interval':>14}")
-    for name, preset, seq, batch, (ac, blocks) in RUNS:
-        rows = [json.loads(line) for line in (DATA / "long-context" / f"{name}.jsonl").read_text().splitlines()]
-        cfg = with_settings(job_config("1.4b", overrides(preset, seq, batch)),
-                            {"memory.activation_checkpointing": ac, "memory.activation_checkpointing_blocks": blocks})
+    hosts = []
+    for name, config, preset, seq, batch, settings in RUNS:
+        path = DATA / "long-context" / f"{name}.jsonl"
+        if not path.exists():
+            continue
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        cfg = with_settings(job_config(config, overrides(preset, seq, batch)), settings)
+        ac, blocks = cfg.memory.activation_checkpointing, cfg.memory.activation_checkpointing_blocks
         with torch.device("meta"):
             model = build(model_args(cfg))
         timed = intervals(rows)
@@ -93,9 +98,17 @@ def main() -> None:
         masked = statistics.mean(d.masked_share for _, d in timed)
         density = [d.attention_density for _, d in timed if d.masked_share]
         label = f"{ac}" + (f" {blocks}/{cfg.model.n_layers}" if blocks else "")
+        label += f" seg{cfg.memory.activation_checkpointing_segment}" if cfg.memory.activation_checkpointing_segment > 1 else ""
+        label += f" host{cfg.memory.activation_offload_blocks}" if cfg.memory.activation_offload_blocks else ""
+        rss = max((r.get("mem.host_rss_gb") or 0 for r in rows), default=0)
+        if rss:
+            hosts.append((name, predicted[0].host_bytes, rss * 1e9))
         print(f"{name:12} {label:14} {gpu / 1e9:>9.1f} {peak / 1e9:>9.1f} {gpu / peak - 1:>+6.1%}  {masked:>6.2f} "
               f"{statistics.mean(density) if density else 1.0:>7.3f}  {plan_s:>9.2f} {step_s:>8.2f} "
               f"{plan_s / step_s - 1:>+6.1%}  {worst:>+14.1%}", flush=True)
+    for name, plan, rss in hosts:
+        print(f"host {name:12} plan {plan / 1e9:>6.1f} GB, the process's largest RSS {rss / 1e9:>6.1f} GB "
+              f"({plan / rss - 1:+.1%})")
     print("masked: the timed intervals' share of micro-batches with a document boundary; density: the masked ones' "
           "share of the causal triangle's blocks; step: the mean over the timed intervals, each predicted with its "
           "own documents")
