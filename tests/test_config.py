@@ -170,6 +170,10 @@ def test_expandable_segments_reason():
     # The user's own allocator settings are left alone.
     assert expandable_segments_reason(offload, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is None
     assert expandable_segments_reason(offload, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}) is None
+    # The long-sequence levers, set by the user or by "auto" (the trainer asks again once it is resolved).
+    for lever in ("ffn_tiles=8", "activation_offload_blocks=2", "activation_checkpointing_segment=2"):
+        long = load_config(None, ["--memory.activation_checkpointing=full", f"--memory.{lever}"])
+        assert expandable_segments_reason(long, {}) == "the long-sequence memory levers", lever
 
     from holotrain.memory.plan import GPU_USABLE, GPU_USABLE_EXPANDABLE, gpu_usable_share
 
@@ -207,6 +211,12 @@ def test_gpu_memory_set_up(monkeypatch, capsys):
     assert fractions == [1.0]
     warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
     assert len(warnings) == 1 and warnings[0].startswith("holotrain: warning: hw.gpu_memory_gb = 100 is larger")
+
+    # Once "auto" has chosen the long-sequence levers, the second ask switches them on.
+    settings.clear()
+    assert not trainer._set_up_gpu_memory(load_config(), env) and settings == []
+    assert trainer._expandable_segments(load_config(None, ["--memory.ffn_tiles=8"]), env)
+    assert settings == ["expandable_segments:True"] and "long-sequence" in capsys.readouterr().out
 
     fractions.clear()
     settings.clear()

@@ -251,9 +251,9 @@ def test_the_machine_probe_leaves_attention_to_its_prior_on_a_cpu():
 
 
 def test_one_h200_at_1m_gets_tiles_and_offloaded_inputs():
-    """The 1.4b at T = 1,048,576 on the H200's probe: only "full" with the feed-forwards tiled and block inputs on the
-    host or recompute segments fits (the plan's long-sequence levers), and the planner's best fitting setting has
-    block inputs on the host."""
+    """The 1.4b at T = 1,048,576 on the H200's probe: only "full" with block inputs on the host or recompute segments
+    (with the feed-forwards tiled) fits (the plan's long-sequence levers, which run on expandable segments), and the
+    planner's best fitting setting has block inputs on the host."""
     from holotrain.plan.cost import Calibration, predict, with_settings
     from holotrain.plan.planner import enumerate_candidates
 
@@ -264,14 +264,16 @@ def test_one_h200_at_1m_gets_tiles_and_offloaded_inputs():
     for c in cands:
         c.predicted = predict(model, with_settings(cfg, c.settings), machine, Calibration(), c.micro, c.accum)
     fitting = [c for c in cands if c.predicted.fits]
-    assert fitting and all(c.settings["memory.ffn_tiles"] == 64 and (
-        c.settings["memory.activation_offload_blocks"] or c.settings["memory.activation_checkpointing_segment"] == 4)
-        for c in fitting)
-    assert any(c.settings["memory.activation_checkpointing_segment"] == 4 for c in fitting)
+    assert fitting and all(c.settings["memory.activation_offload_blocks"]
+                           or c.settings["memory.activation_checkpointing_segment"] == 4 for c in fitting)
+    segmented = [c for c in fitting if c.settings["memory.activation_checkpointing_segment"] == 4]
+    assert segmented and all(c.settings["memory.ffn_tiles"] == 64 for c in segmented)
     best = max(fitting, key=lambda c: c.predicted.tokens_per_s)
-    assert "feed-forward in 64 tiles" in best.label and "blocks on the host" in best.label
-    # Fewer blocks on the host recompute nothing less: the tiled run with the most blocks on the GPU is the best, and
-    # recompute segments (one more forward of every block) are slower than any of them.
+    assert "blocks on the host" in best.label
+    # Recompute segments (one more forward of every block) are slower than any setting with inputs on the host, and
+    # among the tiled ones fewer blocks on the host cost nothing more (their copies hide under the backward).
     offloaded = [c for c in fitting if c.settings["memory.activation_offload_blocks"]]
-    assert best.settings["memory.activation_offload_blocks"] == min(
-        c.settings["memory.activation_offload_blocks"] for c in offloaded)
+    assert max(c.predicted.tokens_per_s for c in segmented) < min(c.predicted.tokens_per_s for c in offloaded)
+    tiled = [c for c in offloaded if c.settings["memory.ffn_tiles"] == 64]
+    fewest = min(tiled, key=lambda c: c.settings["memory.activation_offload_blocks"])
+    assert fewest.predicted.tokens_per_s == max(c.predicted.tokens_per_s for c in tiled)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 MIN_BYTES = 1 << 20  # smaller saved tensors (norm weights, statistics) stay where they are
 # The PCIe link, for the planner: the offload engine's copies on the H200 moved 13.5 GB to the host in 0.27 s and
@@ -121,7 +122,7 @@ class ActivationOffload:
             self._block, self._count = index, 0
             self._packed[index] = []
             # The block's other inputs (the rotary tables, the document mask) are every block's: they stay put.
-            self._shared = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            self._shared = {t.untyped_storage().data_ptr() for t in _tensors_of(args)}
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = block(h, *args)
         else:
@@ -196,6 +197,18 @@ class ActivationOffload:
             torch.cuda.current_stream(self.device).wait_event(p.arrived)
         out, p.on_device, p.arrived = p.on_device, None, None  # autograd holds it now, for as long as it needs it
         return out
+
+
+def _tensors_of(args) -> list[torch.Tensor]:
+    """The tensors among a block's inputs, those a BlockMask holds included: at T = 1M its four [T/128, T/128] index
+    tensors are 1.07 GB, every block's, and would otherwise be copied out once per offloaded block."""
+    found = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, BlockMask):
+            found += [t for t in a.as_tuple() if isinstance(t, torch.Tensor)]
+    return found
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -47,7 +47,8 @@ def expandable_segments_reason(cfg, environ) -> str | None:
     """Why a CUDA run should use the allocator's expandable segments, or None. A capped GPU (hw.gpu_memory_gb) or an
     offloaded run (memory.offload) works close to its memory limit, where the caching allocator's fixed-size
     segments can lose gigabytes to fragmentation; expandable segments grow in place instead. The user's own
-    allocator settings (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF) are left alone."""
+    allocator settings (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF) are left alone. `cfg.memory`'s
+    long-sequence levers count once resolved: the memory plan's trial of each counts on expandable segments."""
     if environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF"):
         return None
     reasons = []
@@ -55,6 +56,11 @@ def expandable_segments_reason(cfg, environ) -> str | None:
         reasons.append(f"hw.gpu_memory_gb = {cfg.hw.gpu_memory_gb:g}")
     if cfg.memory.offload:
         reasons.append("memory.offload")
+    mem = cfg.memory
+    if mem.ffn_tiles > 1 or mem.activation_offload_blocks or mem.activation_checkpointing_segment > 1:
+        # The long-sequence levers: tensors of gigabytes each (the 1.4b at T = 1M lost 15.7 GB of 80 to the
+        # fixed-size segments in its second step).
+        reasons.append("the long-sequence memory levers")
     return " and ".join(reasons) or None
 
 

@@ -186,9 +186,10 @@ def train(cfg: Config) -> list[dict]:
 def _train(cfg: Config, env: DistEnv, stop: StopSignals) -> list[dict]:
     # Before resolve_job: the allocator's settings must precede the first CUDA allocation, and an "auto"
     # memory.offload_ratio is planned within the GPU memory cap.
-    if env.device.type == "cuda":
-        _set_up_gpu_memory(cfg, env)
+    expandable = env.device.type == "cuda" and _set_up_gpu_memory(cfg, env)
     job = resolve_job(cfg, env)  # holds the run directory's lock from here on
+    if env.device.type == "cuda" and not expandable:  # "auto" may have chosen the long-sequence levers
+        _expandable_segments(job.cfg, env)
     try:
         return _train_locked(job, env, stop)
     finally:
@@ -256,24 +257,11 @@ def _train_locked(job: Job, env: DistEnv, stop: StopSignals) -> list[dict]:
     return rows
 
 
-def _set_up_gpu_memory(cfg: Config, env: DistEnv) -> None:
+def _set_up_gpu_memory(cfg: Config, env: DistEnv) -> bool:
     """Expandable segments where the run needs them, and the cap hw.gpu_memory_gb on this process's allocator
-    (the memory plan reads the cap back through torch.cuda.get_per_process_memory_fraction)."""
-    reason = expandable_segments_reason(cfg, os.environ)
-    if reason is not None:
-        # torch.cuda.memory._set_allocator_settings is deprecated in favour of the accelerator-wide setter.
-        set_allocator_settings = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-                                  or torch.cuda.memory._set_allocator_settings)
-        try:
-            set_allocator_settings("expandable_segments:True")
-            if env.is_main:
-                print(f"holotrain: CUDA allocator: expandable segments (for {reason}, against fragmentation; "
-                      "PYTORCH_CUDA_ALLOC_CONF chooses otherwise)", flush=True)
-        except RuntimeError as e:
-            if env.is_main:
-                first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-                print(f"holotrain: warning: CUDA allocator: expandable segments not applied ({first_line}); set "
-                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting", flush=True)
+    (the memory plan reads the cap back through torch.cuda.get_per_process_memory_fraction). Whether the segments
+    are on."""
+    expandable = _expandable_segments(cfg, env)
     cap_gb = cfg.hw.gpu_memory_gb
     if cap_gb > 0:  # a negative value is left to the config check in resolve_job
         total = torch.cuda.get_device_properties(env.device).total_memory
@@ -281,6 +269,30 @@ def _set_up_gpu_memory(cfg: Config, env: DistEnv) -> None:
             print(f"holotrain: warning: hw.gpu_memory_gb = {cap_gb:g} is larger than the GPU ({total / 1e9:.1f} GB) "
                   "and is ignored", flush=True)
         torch.cuda.set_per_process_memory_fraction(gpu_cap_bytes(total, cap_gb) / total, env.device)
+    return expandable
+
+
+def _expandable_segments(cfg: Config, env: DistEnv) -> bool:
+    """The allocator's expandable segments if `cfg` needs them (whether they are now on). Segments made from then on
+    grow in place: called again once "auto" is resolved, before the model's and the activations' allocations."""
+    reason = expandable_segments_reason(cfg, os.environ)
+    if reason is None:
+        return False
+    # torch.cuda.memory._set_allocator_settings is deprecated in favour of the accelerator-wide setter.
+    set_allocator_settings = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                              or torch.cuda.memory._set_allocator_settings)
+    try:
+        set_allocator_settings("expandable_segments:True")
+        if env.is_main:
+            print(f"holotrain: CUDA allocator: expandable segments (for {reason}, against fragmentation; "
+                  "PYTORCH_CUDA_ALLOC_CONF chooses otherwise)", flush=True)
+        return True
+    except RuntimeError as e:
+        if env.is_main:
+            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"holotrain: warning: CUDA allocator: expandable segments not applied ({first_line}); set "
+                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting", flush=True)
+        return False
 
 
 def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, micro, accum, dtype,
