@@ -221,7 +221,6 @@ LSE_BYTES = 4  # per token, head and kept block: the attention kernel's fp32 log
 ROPE_GATHER_BYTES = 8  # per token and head_dim entry: cos and sin gathered per token (fp32) for packed documents
 MASK_BLOCK = 128  # flex_attention's block: the BlockMask holds ~4 int32 tensors of [B, T / 128, T / 128]
 MASK_TENSORS = 4  # kv_indices, full_kv_indices and their transposes for backward (q_indices, full_q_indices)
-NORM_SAVED_BYTES = 8  # per token and dim, the chunked loss: the eager final norm keeps its fp32 input and output
 RING_GRAD_BYTES = 4  # context parallelism's ring (parallel/cp.py): its dQ and travelling dK/dV are fp32
 
 
@@ -335,8 +334,8 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     chunk = loss_chunk_tokens(cfg)
     if chunk and chunk < tokens:
         # One piece's fp32 logits and their gradient; for the whole micro-batch the gradient of the hidden states
-        # (model/head.py computes it in forward) and what the eager final norm keeps.
-        loss = chunk * m.vocab_size * PIECE_BYTES + tokens * m.dim * (elem_bytes + NORM_SAVED_BYTES)
+        # (model/head.py computes it in forward, the final norm's included, piece by piece).
+        loss = chunk * m.vocab_size * PIECE_BYTES + tokens * m.dim * elem_bytes
     else:
         loss = tokens * m.vocab_size * (LOSS_BYTES if compiled and elem_bytes == 2 else EAGER_LOSS_BYTES)
     # In backward, once the loss's tensors are freed: the gradients a block's backward makes besides what it keeps

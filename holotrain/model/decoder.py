@@ -305,9 +305,10 @@ class Decoder(nn.Module):
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and mean cross-entropy (in fp32) over targets other than -100.
 
-        With the loss_chunk_tokens hook > 0 and more tokens than that, the head and the cross-entropy are fused and
-        taken in pieces of that many tokens (model/head.py): the fp32 logits of only one piece exist at a time, in
-        forward and backward, and nothing is recomputed (a 1.4b's micro-batch of 16 x 2048 tokens: ~10 GB less).
+        With the loss_chunk_tokens hook > 0 and more tokens than that, the norm, the head and the cross-entropy are
+        fused and taken in pieces of that many tokens (model/head.py): the fp32 logits of only one piece exist at a
+        time, in forward and backward, and nothing is recomputed (a 1.4b's micro-batch of 16 x 2048 tokens: ~10 GB
+        less).
         The result is the same mean. Tensor parallelism installs its own (the loss hook).
         """
         if self.hooks.loss is not None:
@@ -316,7 +317,8 @@ class Decoder(nn.Module):
         n = self.hooks.loss_chunk_tokens
         if n <= 0 or h.shape[0] <= n:
             return self._with_aux(self._whole_loss(h, targets))
-        total, count = fused_linear_cross_entropy(self.norm(h), self.output.weight, targets, n, self._loss_piece)
+        total, count = fused_linear_cross_entropy(h, self.output.weight, targets, n, self._loss_piece,
+                                                  norm=(self.norm.weight, self.norm.with_weight))
         return self._with_aux(total / count.clamp(min=1))
 
     def _with_aux(self, loss: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def with_weight(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This norm with `weight` in place of its own (the fused loss differentiates it piece by piece)."""
+        return rms_norm(x, weight, self.eps)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalize in fp32 whatever the activation dtype, as the reference implementation does.
