@@ -234,6 +234,9 @@ class Activations:
     # parallelism's buffers in flight (a ring's K/V and dK/dV, or the all-to-all's head-sharded q/k/v)
     offloaded: float = 0.0  # saved tensors of the first blocks held in host memory instead (activation offload)
     held: float = 0.0  # shared by every block until the end of backward: gathered cos/sin, the document mask
+    # Late in backward, beside the recomputed block: the inputs still on the GPU, its own and, with inputs on the host,
+    # the copies fetched ahead of it (as many as the blocks the GPU kept, at least one)
+    late_inputs: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -343,7 +346,11 @@ def activations(cfg, micro: int, elem_bytes: int, block_weights: int, attention_
     recompute = ((per_block + probs) * fp8 + moe + lse) if recomputed else 0.0
     recompute += (tokens * block_backward_bytes(args, elem_bytes, imbalance) + tiled + cp_buffers(cfg, micro, elem_bytes)
                   + in_flight * tokens * elem_bytes * m.dim)
-    return Activations(saved, loss, recompute, offloaded, held)
+    late = 0.0
+    if recomputed:
+        fetched = len(off_at & recomputed_at)
+        late = (max(1, min(fetched, m.n_layers - fetched)) if fetched else 1) * tokens * elem_bytes * m.dim
+    return Activations(saved, loss, recompute, offloaded, held, late)
 
 
 def cp_buffers(cfg, micro: int, elem_bytes: int) -> float:
@@ -448,7 +455,7 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
         # the micro-batches before when they accumulate), or at the end of backward, with every gradient.
         grads = n_dev * per_rank * 4
         at_loss = (grads if accum > 1 else 0.0) + acts.peak
-        at_end = grads + acts.recompute + acts.held
+        at_end = grads + acts.recompute + acts.held + acts.late_inputs
         if at_loss >= at_end:
             if accum > 1 and grads:
                 gpu["fp32 gradients (accumulating)"] = grads
@@ -458,8 +465,10 @@ def plan_memory(model: nn.Module, cfg, world_size: int, device: torch.device, mi
                          {"recomputed block and attention buffers": acts.recompute})
         else:
             gpu["fp32 gradients"] = grads
-            gpu["activations (estimate)"] = acts.recompute + acts.held
+            gpu["activations (estimate)"] = acts.recompute + acts.held + acts.late_inputs
             parts = {"recomputed block and attention buffers": acts.recompute, "cos/sin and document mask": acts.held}
+            if acts.late_inputs:
+                parts["block inputs late in backward"] = acts.late_inputs
         gpu["rotary tables"] = rope
         if gathered:
             gpu["gathered blocks (FSDP2)"] = gathered
