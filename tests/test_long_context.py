@@ -127,6 +127,6 @@ def test_a_long_job_that_sets_full_is_told_the_long_sequence_levers():
     with torch.device("meta"):
         model = build(model_args(cfg))
     with pytest.raises(ConfigError, match=r'memory.activation_checkpointing = "full", memory.ffn_tiles = 64, '
-                                          r'memory.activation_offload_blocks = 8 \(those blocks\' inputs in host '
+                                          r'memory.activation_offload_blocks = 10 \(those blocks\' inputs in host '
                                           r'memory\): fits'):
         check_fit(model, cfg, 1, torch.device("cuda"), 1, 1, gpu_capacity=140e9, host_capacity=110e9)

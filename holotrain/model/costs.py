@@ -137,15 +137,20 @@ def moe_pointwise_bytes(args: ModelArgs, elem_bytes: int, grouped_kept: bool = T
 
 
 def block_backward_bytes(args: ModelArgs, elem_bytes: int, imbalance: float = 1.0) -> float:
-    """Bytes per token a block's backward makes beside what it keeps, for the largest block: the gradient of its
-    output and of the FFN's gate and up (dim + 2 ffn_dim); a mixture of experts: of its output, of the copies in token
+    """Bytes per token a block's backward makes beside what it keeps, for the largest block: the gradients of its
+    output, of the residual stream between its halves and of its input, alive together in its norms' backward
+    (3 dim), and of the FFN's gate and up (2 ffn_dim); a mixture of experts: the same 3 dim, of the copies in token
     order and their outputs (2 k dim), of the copies' rows, gate and up (k (dim + 2 moe_ffn_dim), x `imbalance`
-    under expert parallelism), of the shared experts' gate and up and the fp32 scores' and logits' (8 E)."""
-    dense = (args.dim + 2 * args.ffn_dim) * elem_bytes if args.moe_layers < args.n_layers else 0
+    under expert parallelism), of the shared experts' gate and up and the fp32 scores' and logits' (8 E). The 1.4b
+    at T = 262,144 (bench/memory_peak.py on an H100): at the peak, in the first recomputed block's backward, the
+    gradient of its output and two more [T, dim] tensors beside the recomputed values."""
+    RESIDUAL_GRADS = 3
+    dense = (RESIDUAL_GRADS * args.dim + 2 * args.ffn_dim) * elem_bytes if args.moe_layers < args.n_layers else 0
     if not args.moe_layers:
         return dense
     k, D = args.n_active_experts, args.dim
-    moe = (D + 2 * k * D + k * imbalance * (D + 2 * args.moe_ffn_dim) + 2 * args.shared_ffn_dim) * elem_bytes
+    moe = (RESIDUAL_GRADS * D + 2 * k * D + k * imbalance * (D + 2 * args.moe_ffn_dim)
+           + 2 * args.shared_ffn_dim) * elem_bytes
     return max(dense, moe + 8 * args.n_experts)
 
 
