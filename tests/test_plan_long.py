@@ -277,3 +277,21 @@ def test_one_h200_at_1m_gets_tiles_and_offloaded_inputs():
     tiled = [c for c in offloaded if c.settings["memory.ffn_tiles"] == 64]
     fewest = min(tiled, key=lambda c: c.settings["memory.activation_offload_blocks"])
     assert fewest.predicted.tokens_per_s == max(c.predicted.tokens_per_s for c in tiled)
+
+
+def test_late_in_backward_the_fetched_inputs_are_counted():
+    """With block inputs on the host, the end of backward holds, beside the recomputed block, the inputs fetched ahead
+    of it: as many as the blocks the GPU kept (the offload's fetch rule), at least the block's own. The 1.4b at 1M
+    with all 24 inputs on the host ran out of memory on an 80 GB H100 where the plan without them said 73.7 GB."""
+    from holotrain.memory.plan import activations
+
+    one_input = 1048576 * 2048 * 2
+    for on_host, late in ((24, 1), (21, 3), (12, 12), (0, 1)):
+        cfg, _ = _job(1048576, **{"memory.activation_checkpointing": "full", "memory.ffn_tiles": 64,
+                                  "memory.activation_offload_blocks": on_host})
+        assert activations(cfg, 1, 2, 0).late_inputs == late * one_input, on_host
+    cfg, model = _job(1048576, **{"memory.activation_checkpointing": "full", "memory.ffn_tiles": 64,
+                                  "memory.activation_offload_blocks": 24})
+    plan = _plan(cfg, model)
+    assert plan.activations["block inputs late in backward"] == one_input
+    assert plan.gpu_need > 83.6e9  # what the H100 run needed at least
