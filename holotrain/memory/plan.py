@@ -58,8 +58,8 @@ def expandable_segments_reason(cfg, environ) -> str | None:
         reasons.append("memory.offload")
     mem = cfg.memory
     if mem.ffn_tiles > 1 or mem.activation_offload_blocks or mem.activation_checkpointing_segment > 1:
-        # The long-sequence levers: tensors of gigabytes each (the 1.4b at T = 1M lost 15.7 GB of 80 to the
-        # fixed-size segments in its second step).
+        # The long-sequence levers: tensors of gigabytes each, allocated and freed block after block, which
+        # fixed-size segments fragment.
         reasons.append("the long-sequence memory levers")
     return " and ".join(reasons) or None
 

@@ -136,15 +136,15 @@ def moe_pointwise_bytes(args: ModelArgs, elem_bytes: int, grouped_kept: bool = T
     return _moe_mean(args, (args.n_experts + experts + (2 * S + args.dim if S else 0)) * elem_bytes)
 
 
+RESIDUAL_GRADS = 3  # [T, dim] gradients alive together in a block's backward: its output's, the residual's, its input's
+
+
 def block_backward_bytes(args: ModelArgs, elem_bytes: int, imbalance: float = 1.0) -> float:
     """Bytes per token a block's backward makes beside what it keeps, for the largest block: the gradients of its
     output, of the residual stream between its halves and of its input, alive together in its norms' backward
     (3 dim), and of the FFN's gate and up (2 ffn_dim); a mixture of experts: the same 3 dim, of the copies in token
     order and their outputs (2 k dim), of the copies' rows, gate and up (k (dim + 2 moe_ffn_dim), x `imbalance`
-    under expert parallelism), of the shared experts' gate and up and the fp32 scores' and logits' (8 E). The 1.4b
-    at T = 262,144 (bench/memory_peak.py on an H100): at the peak, in the first recomputed block's backward, the
-    gradient of its output and two more [T, dim] tensors beside the recomputed values."""
-    RESIDUAL_GRADS = 3
+    under expert parallelism), of the shared experts' gate and up and the fp32 scores' and logits' (8 E)."""
     dense = (RESIDUAL_GRADS * args.dim + 2 * args.ffn_dim) * elem_bytes if args.moe_layers < args.n_layers else 0
     if not args.moe_layers:
         return dense
