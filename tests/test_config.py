@@ -175,9 +175,11 @@ def test_expandable_segments_reason():
         long = load_config(None, ["--memory.activation_checkpointing=full", f"--memory.{lever}"])
         assert expandable_segments_reason(long, {}) == "the long-sequence memory levers", lever
 
-    from holotrain.memory.plan import GPU_USABLE, GPU_USABLE_EXPANDABLE, gpu_usable_share
+    from holotrain.memory.plan import GPU_USABLE, GPU_USABLE_EXPANDABLE, GPU_USABLE_LONG_SEQUENCE, gpu_usable_share
 
     assert gpu_usable_share(plain, {}) == GPU_USABLE and gpu_usable_share(offload, {}) == GPU_USABLE_EXPANDABLE
+    # At the memory limit of one long sequence the plan keeps its own error in hand.
+    assert gpu_usable_share(long, {}) == GPU_USABLE_LONG_SEQUENCE < GPU_USABLE_EXPANDABLE
     assert gpu_usable_share(plain, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == GPU_USABLE_EXPANDABLE
     assert gpu_usable_share(offload, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) == GPU_USABLE
 
