@@ -100,7 +100,7 @@ part_eval() {
 #            from each step's scores (model.router_bias_update = "solve"), with the sign rule (the config's default;
 #            BIAS_RATE sets model.router_bias_rate), and the softmax router with model.moe_aux_loss_coef = 0.01;
 #            BALANCE_BATCH sets the sequences a step (micro-batches of 16: the floor of a one-step-late bias falls with
-#            the documents a step holds, bench/balance_floor.py)
+#            the documents a step holds, bench/balance_floor.py); BALANCE_CAP: seconds a run may take (240)
 # Summary: bench/moe_summary.py OUT_DIR.
 part_moe() {
   local steps=${1:-40} what=${2:-train peer}
@@ -135,7 +135,7 @@ part_moe() {
                [ $run = solve ] && extra=(--model.router_bias_update=solve)
                [ $run = aux ] && extra=(--model.router=softmax --model.moe_aux_loss_coef=0.01)
                [ -n "${BALANCE_BATCH:-}" ] && extra+=(--training.batch_size="$BALANCE_BATCH" --training.micro_batch_size=16)
-               logged "balance $run" "$out/balance-$run.log" 240 python3 -m holotrain.cli train --config moe-balance \
+               logged "balance $run" "$out/balance-$run.log" "${BALANCE_CAP:-240}" python3 -m holotrain.cli train --config moe-balance \
                  --job.run_dir=/tmp/moe-balance-$run "${extra[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
                keep_metrics /tmp/moe-balance-$run balance-$run
              done ;;
