@@ -14,6 +14,7 @@ from holotrain.memory.plan import (
     HOST_USABLE,
     Plan,
     gpu_usable_share,
+    long_sequence_levers,
     model_units,
     offloaded_units,
     plan_memory,
@@ -124,8 +125,7 @@ def _suggestions(model, cfg, world_size, device, micro, accum, plan: Plan, capac
         if result:
             out.append(f"{text}: {result}")
     # A long sequence: "full" with tiled feed-forwards and the fewest block inputs in host memory that fit.
-    if (device.type == "cuda" and mem.ffn_tiles == 1 and not mem.activation_offload_blocks
-            and mem.activation_checkpointing_segment == 1):
+    if device.type == "cuda" and not long_sequence_levers(mem):
         for choice in long_sequence_choices(cfg.model.n_layers, cfg.data.seq_len):
             if outcome(_with(cfg, **choice), micro, accum) == "fits":
                 tiles, moved = choice["ffn_tiles"], choice["activation_offload_blocks"]

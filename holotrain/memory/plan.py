@@ -69,7 +69,8 @@ def expandable_segments_reason(cfg, environ) -> str | None:
 
 def gpu_usable_share(cfg, environ=None) -> float:
     """The share of free GPU memory a run of cfg can use: more with expandable segments (holotrain's choice, or the
-    user's allocator settings) than with the caching allocator's fixed-size segments."""
+    user's allocator settings) than with the caching allocator's fixed-size segments, less again with the
+    long-sequence levers (GPU_USABLE_LONG_SEQUENCE)."""
     environ = os.environ if environ is None else environ
     conf = environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF")
     if conf:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from holotrain.config import Config, ConfigError, batch_layout, load_config, resolve
 from holotrain.memory.fit import choose_offload_ratio
-from holotrain.memory.plan import plan_memory
+from holotrain.memory.plan import long_sequence_levers, plan_memory
 from holotrain.model import ModelArgs, build, num_params
 from holotrain.model.registry import model_args as section_args
 from holotrain.parallel import DistEnv
@@ -258,8 +258,8 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
     # The long-sequence levers: where the job left them to the plan, on one GPU's sequence (no TP, CP or pipeline;
     # on a CPU the host is the device memory, so its inputs have nowhere to go).
     par = cfg.parallel
-    if (env.device.type == "cuda" and mem.ffn_tiles == 1 and not mem.activation_offload_blocks
-            and mem.activation_checkpointing_segment == 1 and par.tp == par.pp == getattr(par, "cp", 1) == 1):
+    if (env.device.type == "cuda" and not long_sequence_levers(mem)
+            and par.tp == par.pp == getattr(par, "cp", 1) == 1):
         choices += long_sequence_choices(n_layers, cfg.data.seq_len)
     with torch.device("meta"):
         model = build(args)
