@@ -48,7 +48,10 @@ def kernel(name: str, T: int, device: torch.device):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return run
     if name.startswith("flex"):
-        mask = create_block_mask(causal, None, None, T, T, device=device)
+        # Compiled on a GPU, as the model's own (model/parts.py): eager it materializes the dense [T, T] mask (128 GiB
+        # at T = 131072).
+        make = torch.compile(create_block_mask, dynamic=False) if device.type == "cuda" else create_block_mask
+        mask = make(causal, None, None, T, T, device=device)
         options = {"USE_TMA": True} if name == "flex-tma" else None
         fn = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
         return lambda q, k, v: fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)
