@@ -42,7 +42,8 @@ GPU_USABLE = 0.95  # of free GPU memory: the caching allocator's fixed-size segm
 GPU_USABLE_EXPANDABLE = 0.98
 # The long-sequence levers (tiled feed-forwards, block inputs on the host, recompute segments) run where nothing else
 # fits, so the plan's own error decides: it was 1.7% low on the 1.4b's step at 1M (an H100). Their choice keeps that
-# much more in hand; by the time model one or two more blocks on the host cost nothing (their copies hide under backward).
+# much more in hand; by the time model one or two more blocks on the host cost nothing (their copies hide under
+# backward).
 GPU_USABLE_LONG_SEQUENCE = GPU_USABLE_EXPANDABLE - 0.02
 HOST_USABLE = 0.90  # of available host RAM: Python, the data plane and CUDA's own host allocations need the rest
 
