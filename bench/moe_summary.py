@@ -3,8 +3,9 @@
 train + peer: holotrain's tokens/s, TFLOP/s and MFU by active parameters (the median of the logged rows after the
 first, which holds compilation) with the levers the planner chose, each transformers peer's (bench/moe_peer.py,
 per experts implementation and precision), and holotrain over the fastest peer (targets: >= 1.5x, >= 300 TFLOP/s).
-balance: for the sigmoid (auxiliary-loss-free: its bias solved, "solve", or moved by the sign rule, "sigmoid") and the
-auxiliary-loss runs, the largest max/mean expert load over the layers and the logged rows after step 100 (target
+balance: for the auxiliary-loss-free runs (the sigmoid router's bias solved after each step, "solve", or moved by
+the sign rule, "sigmoid"; a bias solved within each forward on the softmax router, "batch", or the sigmoid,
+"sigbatch") and the auxiliary-loss run, the largest max/mean expert load over the layers and the logged rows after step 100 (target
 <= 1.25), and each auxiliary-loss-free run's final loss (the mean of the last 50 steps' rows) over the auxiliary-loss
 run's (target within 1%)."""
 
@@ -113,7 +114,7 @@ def main(out: Path) -> None:
     if train and best:
         print(f"holotrain / fastest peer ({best['name']}): {train['tokens_per_s'] / best['tokens_per_s']:.2f}x "
               "tokens/s (target >= 1.5x; the peer on random tokens over the full causal square)")
-    runs = {name: balance_figures(out / f"balance-{name}.jsonl") for name in ("solve", "sigmoid", "aux")}
+    runs = {name: balance_figures(out / f"balance-{name}.jsonl") for name in ("solve", "sigmoid", "batch", "sigbatch", "aux")}
     for name, b in runs.items():
         if not b:
             continue
@@ -126,7 +127,7 @@ def main(out: Path) -> None:
         if b["final_loss"] is not None:
             print(f"balance {name}: loss over the last {LAST_STEPS} of {b['steps']} steps {b['final_loss']:.4f}")
     aux = runs["aux"]
-    for name in ("solve", "sigmoid"):
+    for name in ("solve", "sigmoid", "batch", "sigbatch"):
         sig = runs[name]
         if sig and aux and sig["final_loss"] and aux["final_loss"]:
             print(f"balance: {name} loss / auxiliary-loss run's: {sig['final_loss'] / aux['final_loss']:.4f} "

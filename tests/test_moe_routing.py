@@ -172,12 +172,13 @@ def test_solve_sets_the_bias_from_the_steps_scores():
 
     args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_layers=2, n_heads=2,
                                n_kv_heads=1, head_dim=16, ffn_dim=32, moe_ffn_dim=16, n_experts=E, vocab_size=64,
-                               max_seq_len=16, n_active_experts=K, router="sigmoid")
+                               max_seq_len=16, n_active_experts=K, router="sigmoid",
+                               router_bias_update="solve")
     fix_switches("qwen3_moe", args)
     torch.manual_seed(0)
     model = build(args)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    routing = Routing(model, RATE, env, ParallelDims(world=1), "solve")
+    routing = Routing(model, RATE, env, ParallelDims(world=1))
     moes = list(model.moe_modules().values())
     start = torch.tensor([0.3, -0.1, 0.0, -0.2])
     for moe in moes:
@@ -193,4 +194,68 @@ def test_solve_sets_the_bias_from_the_steps_scores():
     for kept, moe in zip(seen, moes):
         assert torch.equal(moe.expert_bias, balancing_bias(torch.cat(kept), start, K))
         assert not torch.equal(moe.expert_bias, start)
+    routing.close()
+
+
+def test_batch_bias_balances_each_training_forward_of_a_softmax_router():
+    """router_bias_update = "batch" on a softmax router with a balancing bias (model.router_bias): a training
+    forward's tokens, which all prefer the same experts, are spread evenly by a bias solved on them; its
+    recomputation (activation checkpointing) routes the same; evaluation (no grad) routes with the kept bias."""
+    from holotrain.model.moe import MoE
+    from holotrain.model.registry import preset
+
+    experts = 16
+    args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_experts=experts,
+                               n_active_experts=2, moe_ffn_dim=8, router_bias=True, router_bias_update="batch")
+    torch.manual_seed(0)
+    moe = MoE(args)
+    for w in (moe.router.weight, moe.w1, moe.w3, moe.w2):
+        torch.nn.init.normal_(w, std=0.1)
+    moe.reset_buffers()
+    x = torch.randn(32) + 0.3 * torch.randn(512, 32)  # a shared part: every token wants the same few experts
+
+    def max_over_mean() -> float:
+        load = moe.last_load.float()
+        return (load.max() / load.mean()).item()
+
+    with torch.no_grad():
+        moe(x)
+    assert max_over_mean() > 3
+    plain = x.clone().requires_grad_()
+    moe(plain).square().sum().backward()
+    assert max_over_mean() < 1.1
+    assert not torch.equal(moe.last_bias, moe.expert_bias)
+    grads = [plain.grad, moe.router.weight.grad.clone()]
+    moe.zero_grad()
+    again = x.clone().requires_grad_()
+    torch.utils.checkpoint.checkpoint(moe, again, use_reentrant=False).square().sum().backward()
+    assert torch.equal(again.grad, grads[0]) and torch.equal(moe.router.weight.grad, grads[1])
+    with torch.no_grad():
+        moe(x)
+    assert max_over_mean() > 3  # the bias is the trainer's to keep (Routing.end_step)
+
+
+def test_batch_bias_is_kept_after_the_step_for_evaluation():
+    """After a step, each block's bias is its last training forward's solution: evaluation then routes with it, and
+    the logged row has the bias's spread."""
+    from holotrain.model.registry import fix_switches, preset
+
+    args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_layers=2, n_heads=2,
+                               n_kv_heads=1, head_dim=16, ffn_dim=32, moe_ffn_dim=16, n_experts=E, vocab_size=64,
+                               max_seq_len=16, n_active_experts=K, router_bias=True, router_bias_update="batch")
+    fix_switches("qwen3_moe", args)
+    torch.manual_seed(0)
+    model = build(args)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    routing = Routing(model, RATE, env, ParallelDims(world=1))
+    moes = list(model.moe_modules().values())
+    routing.begin_step()
+    for s in range(2):
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s))
+        model(tokens, tokens).backward()
+    solved = [moe.last_bias.clone() for moe in moes]
+    routing.end_step()
+    for moe, bias in zip(moes, solved):
+        assert torch.equal(moe.expert_bias, bias) and bias.abs().max() > 0
+    assert "moe.expert_bias_max_abs" in routing.metrics()
     routing.close()

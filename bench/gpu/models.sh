@@ -99,6 +99,8 @@ part_eval() {
 #            BALANCE entry (default "solve sigmoid aux"): the sigmoid router (auxiliary-loss-free) with its bias solved
 #            from each step's scores (model.router_bias_update = "solve"), with the sign rule (the config's default;
 #            BIAS_RATE sets model.router_bias_rate), and the softmax router with model.moe_aux_loss_coef = 0.01;
+#            "batch": the softmax router balanced by a bias solved within each forward (model.router_bias = true,
+#            router_bias_update = "batch"), "sigbatch": the sigmoid router so;
 #            BALANCE_BATCH sets the sequences a step (micro-batches of 16: the floor of a one-step-late bias falls with
 #            the documents a step holds, bench/balance_floor.py); BALANCE_CAP: seconds a run may take (240)
 # Summary: bench/moe_summary.py OUT_DIR.
@@ -134,6 +136,8 @@ part_moe() {
                local extra=(${BIAS_RATE:+--model.router_bias_rate=$BIAS_RATE})
                [ $run = solve ] && extra=(--model.router_bias_update=solve)
                [ $run = aux ] && extra=(--model.router=softmax --model.moe_aux_loss_coef=0.01)
+               [ $run = batch ] && extra=(--model.router=softmax --model.router_bias=true --model.router_bias_update=batch)
+               [ $run = sigbatch ] && extra=(--model.router_bias_update=batch)
                [ -n "${BALANCE_BATCH:-}" ] && extra+=(--training.batch_size="$BALANCE_BATCH" --training.micro_batch_size=16)
                logged "balance $run" "$out/balance-$run.log" "${BALANCE_CAP:-240}" python3 -m holotrain.cli train --config moe-balance \
                  --job.run_dir=/tmp/moe-balance-$run "${extra[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"

@@ -40,7 +40,9 @@ class ModelArgs:
     # moe_ffn_dim; a shared SwiGLU of shared_ffn_dim added to every token's routed output (0: none). router:
     # "softmax" (probabilities over all experts, their top k; norm_topk_prob renormalizes the k weights to sum to 1)
     # or "sigmoid" (DeepSeek-V3: independent scores, the top k chosen by score + a per-expert bias that balances the
-    # load without a loss, weighted by the scores). Blocks (i + 1) % moe_every == 0 and not in dense_layers are MoE
+    # load without a loss, weighted by the scores). router_bias: a softmax router chooses by its logits + such a bias
+    # too (the weights still the softmax's). router_bias_update: how that bias moves ("sign", "solve" after each
+    # step by the trainer; "batch": solved within each training forward, model/moe.py). Blocks (i + 1) % moe_every == 0 and not in dense_layers are MoE
     # (Hugging Face's decoder_sparse_step and mlp_only_layers); the others keep the dense ffn_dim.
     # moe_aux_loss_coef: the load-balancing loss (E * sum_e f_e * P_e per MoE block) and router_z_loss_coef: the
     # router z-loss (mean squared logsumexp of the logits), summed over the blocks, in the training loss's gradient.
@@ -49,6 +51,8 @@ class ModelArgs:
     moe_ffn_dim: int = 0
     shared_ffn_dim: int = 0
     router: str = "softmax"
+    router_bias: bool = False
+    router_bias_update: str = "sign"
     norm_topk_prob: bool = False
     moe_every: int = 1
     dense_layers: tuple = ()
@@ -60,6 +64,7 @@ class ModelArgs:
             self.head_dim = self.dim // self.n_heads
         # A config section (or a run saved before these keys) gives 0 / "" / a list.
         self.router = self.router or "softmax"
+        self.router_bias_update = self.router_bias_update or "sign"
         self.moe_every = self.moe_every or 1
         self.dense_layers = tuple(self.dense_layers or ())
 
@@ -117,4 +122,5 @@ class Family:
 
 
 # The decoder's switches a family decides (the rest of ModelArgs is shape).
-SWITCHES = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sliding_window", "n_experts", "shared_ffn_dim")
+SWITCHES = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sliding_window", "n_experts", "shared_ffn_dim",
+            "router_bias")

@@ -45,17 +45,21 @@ class ModelConfig(Section):
     moe_ffn_dim: int = 0
     shared_ffn_dim: int = 0
     router: str = ""
+    # A softmax router also chooses by its logits + a per-expert balancing bias (the sigmoid router always has one).
+    router_bias: bool = False
     norm_topk_prob: bool = False
     moe_every: int = 0
     dense_layers: list = field(default_factory=list)
     moe_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
-    # The sigmoid router's balancing rate (DeepSeek-V3's gamma, 1e-3 there): after each optimizer step the trainer
-    # moves each expert's bias by this toward balance, from the step's load over all micro-batches and ranks.
+    # The balancing bias's rate (DeepSeek-V3's gamma, 1e-3 there): after each optimizer step the trainer moves each
+    # expert's bias by this toward balance, from the step's load over all micro-batches and ranks.
     router_bias_rate: float = 1e-3
-    # How the sigmoid router's bias moves after each step: "sign" (DeepSeek-V3's, by router_bias_rate), or "solve":
-    # set to the bias that would have balanced the step's routing (train/routing.py), for short runs whose routers'
-    # inputs shift faster than the rate follows.
+    # How the balancing bias moves: "sign" (DeepSeek-V3's, by router_bias_rate, after each step), "solve": after each
+    # step, set to the bias that would have balanced that step's routing (train/routing.py), for short runs whose
+    # routers' inputs shift faster than the rate follows; or "batch": solved within each training forward on its own
+    # tokens, so that each micro-batch's load is balanced (a token's experts then depend on its batch, as in BASE
+    # layers); evaluation and generation route with the last step's solution.
     router_bias_update: str = "sign"
     # A Hugging Face model directory or a holotrain run / checkpoint: the dimensions, weights and tokenizer come
     # from it (model/pretrained.py); a new run starts from its weights with a fresh optimizer. A relative path in a

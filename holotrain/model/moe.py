@@ -12,8 +12,9 @@ The steps are separate methods, so that expert parallelism (parallel/ep.py) can 
     unpermute    the outputs back in token order, weighted and summed over each token's k experts
 
 Each forward keeps what later metrics and the router-bias update read: `last_load` [E] (token copies per expert,
-detached), `last_aux` [2] (the load-balancing and z-loss values, detached), `last_scores` [N, E] (a sigmoid router's
-scores in a training forward, detached: the tensor its backward keeps anyway), and `aux_loss`, the weighted auxiliary
+detached), `last_aux` [2] (the load-balancing and z-loss values, detached), `last_scores` (with
+router_bias_update "solve": up to SOLVE_ROWS rows of the scores the bias is added to, of a training forward,
+detached), `last_bias` (with "batch": the bias that forward solved and chose with), and `aux_loss`, the weighted auxiliary
 term with its graph (when a coefficient is > 0), which the decoder's loss takes into the training gradient
 (decoder.Decoder.loss) and clears. Expert weights are stacked 3-D parameters, w1 (gate) and w3 (up) [E, F, D] and
 w2 (down) [E, D, F], as Hugging Face's per-expert linears stacked (model/hf.py)."""
@@ -29,7 +30,14 @@ from holotrain.model.args import ModelArgs
 from holotrain.model.parts import FeedForward
 
 ROUTERS = ("softmax", "sigmoid")
-BIAS_UPDATES = ("sign", "solve")  # how the trainer moves a sigmoid router's bias (train/routing.py)
+# How a router's balancing bias moves (model.router_bias_update): after each step by the sign rule or solved from the
+# step's scores (train/routing.py), or solved within each training forward on that forward's own scores ("batch").
+BIAS_UPDATES = ("sign", "solve", "batch")
+# A solved bias reads at most this many token rows of a forward's scores (evenly spaced over the batch's sequences).
+SOLVE_ROWS = 4096
+# A bias solved within a forward starts from the step's bias (last step's solution): this many rounds of
+# balancing_bias, each halving every expert's distance to its balancing bias.
+BATCH_ROUNDS = 8
 
 
 def moe_problem(args: ModelArgs) -> str | None:
@@ -47,6 +55,9 @@ def moe_problem(args: ModelArgs) -> str | None:
         return f"model.shared_ffn_dim must be >= 0 (0: no shared experts), got {args.shared_ffn_dim}"
     if args.router not in ROUTERS:
         return f"model.router must be one of {', '.join(ROUTERS)}, got {args.router!r}"
+    if args.router_bias_update not in BIAS_UPDATES:
+        return (f"model.router_bias_update must be one of {', '.join(BIAS_UPDATES)}, got "
+                f"{args.router_bias_update!r}")
     if args.moe_every < 1:
         return f"model.moe_every must be >= 1, got {args.moe_every}"
     if any(not 0 <= i < args.n_layers for i in args.dense_layers):
@@ -174,11 +185,13 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, D, F_))  # down
         self.shared = (FeedForward(ModelArgs(dim=D, ffn_dim=args.shared_ffn_dim, n_heads=0))
                        if args.shared_ffn_dim else None)
-        if args.router == "sigmoid":
-            # DeepSeek-V3's auxiliary-loss-free balancing: added to the scores for the choice only (update_bias).
+        if args.router == "sigmoid" or args.router_bias:
+            # DeepSeek-V3's auxiliary-loss-free balancing: added to the scores (a softmax router's logits) for the
+            # choice only; moved by the trainer after each step, or solved in each training forward ("batch").
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         else:
             self.expert_bias = None
+        self.bias_update = args.router_bias_update
         self.hooks = None  # the decoder's Hooks (its `experts` slot: expert parallelism), set by the decoder
         self.copies: tuple[torch.Tensor, ...] | None = None  # bf16 w1, w3, w2 held over a step (ExpertCopies)
         self.grouped: bool | None = None  # grouped_swiglu's path (None: grouped GEMMs on CUDA in bf16)
@@ -188,6 +201,7 @@ class MoE(nn.Module):
         self.last_aux: torch.Tensor | None = None
         self.last_entropy: torch.Tensor | None = None
         self.last_scores: torch.Tensor | None = None
+        self.last_bias: torch.Tensor | None = None  # the bias a "batch" forward solved and chose with
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,15 +219,32 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each token's k experts [N, k] and their weights [N, k] (x's dtype), with the router's logits [N, E] and
-        scores [N, E] (fp32: softmax probabilities, or sigmoid scores) for the auxiliary losses."""
+        scores [N, E] (fp32: softmax probabilities, or sigmoid scores) for the auxiliary losses. With a balancing
+        bias the choice is the top k of the scores (a softmax router's logits) + the bias, the weights the scores of
+        the chosen experts."""
         logits = self.router(x)
         if self.router_kind == "softmax":
             # Mixtral's softmax over the top-k logits is this with norm_topk_prob.
             scores = logits.float().softmax(dim=-1)
-            weights, experts = scores.topk(self.top_k, dim=-1)
+            biased = logits.float()  # the softmax's order, on a scale where a bias means the same for every token
         else:
             scores = logits.float().sigmoid()
-            experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+            biased = scores
+        if self.expert_bias is None:
+            weights, experts = scores.topk(self.top_k, dim=-1)
+        else:
+            bias = self.expert_bias
+            if torch.is_grad_enabled():  # a training forward (or its recomputation: the same bias again)
+                sample = biased.detach()
+                stride = -(-sample.shape[0] // SOLVE_ROWS)
+                if self.bias_update == "solve":  # kept for the solve after the step (train/routing.py)
+                    self.last_scores = sample[::stride].contiguous() if stride > 1 else sample
+                elif self.bias_update == "batch":
+                    # This forward's own tokens balanced, from the step's bias: the trainer keeps the solution
+                    # for evaluation, generation and the next step's start.
+                    bias = balancing_bias(sample[::stride], bias, self.top_k, BATCH_ROUNDS)
+                    self.last_bias = bias
+            experts = (biased + bias).topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -262,8 +293,6 @@ class MoE(nn.Module):
         self.aux_loss = None
         if not torch.is_grad_enabled():
             return
-        if self.expert_bias is not None:
-            self.last_scores = scores.detach()  # for a solved bias (balancing_bias); saved for backward anyway
         weighted = self.aux_coef > 0 or self.z_coef > 0
         with torch.set_grad_enabled(weighted):
             balance = load_balance_loss(scores, counts, self.router_kind)
@@ -282,7 +311,8 @@ class MoE(nn.Module):
         bias += rate * sign(mean load - load), over `load` [E] (default: the last forward's; a trainer sums its
         micro-batches' and its data-parallel ranks')."""
         if self.expert_bias is None:
-            raise ValueError("update_bias: the softmax router has no expert bias (model.router = 'sigmoid' has)")
+            raise ValueError("update_bias: this router has no expert bias (model.router = 'sigmoid' or "
+                             "model.router_bias = true has)")
         load = (self.last_load if load is None else load).float()
         self.expert_bias += rate * torch.sign(load.mean() - load)
 

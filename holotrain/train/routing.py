@@ -1,11 +1,11 @@
-"""A mixture-of-experts model's routing, made visible, and the sigmoid router's balancing step (DeepSeek-V3's
+"""A mixture-of-experts model's routing, made visible, and the balancing bias's step (DeepSeek-V3's
 auxiliary-loss-free bias update), for the training loop.
 
 Each MoE block keeps its last forward's load, balance and z-loss values and routing entropy (model/moe.py). Here
 they are taken, on the device, as each micro-batch's forward returns (a forward hook on each of this rank's stages:
 under pipeline parallelism the schedule runs the micro-batches itself), added up after the step, then summed over the
 ranks that hold the same blocks and route other tokens (data and context parallel): one collective, at every step
-for the sigmoid router (its bias update needs the whole step's load, the same on every rank, so that the bias
+for a router with a balancing bias (its update needs the whole step's load, the same on every rank, so that the bias
 buffers stay identical), else at logged steps only. A logged step gathers the pipeline stages' blocks and reads the table to the host once: the
 row's moe.* fields (`metrics`). The load is in token copies: each token counts once for each of its k experts."""
 
@@ -22,18 +22,16 @@ from holotrain.parallel.dims import ParallelDims
 
 # Columns after the E loads: the sums over forwards of the entropy, balance loss and z-loss, and the forwards counted.
 ENTROPY, BALANCE, Z, FORWARDS = range(4)
-# A solved bias reads at most this many token rows of each forward's scores per block (evenly spaced): [rows, E] fp32
-# kept per block and micro-batch until the step ends.
-SOLVE_ROWS = 4096
 
 
 class Routing:
     """The moe.* fields and the bias update of a model with MoE blocks; does nothing for a dense one."""
 
-    def __init__(self, model: torch.nn.Module, rate: float, env: DistEnv, dims: ParallelDims, update: str = "sign"):
+    def __init__(self, model: torch.nn.Module, rate: float, env: DistEnv, dims: ParallelDims):
         args = model.args
-        self.rate, self.biased = rate, args.router == "sigmoid"
+        self.rate, self.biased, update = rate, args.router == "sigmoid" or args.router_bias, args.router_bias_update
         self.solve = self.biased and update == "solve"
+        self.in_batch = self.biased and update == "batch"  # each forward solved its own bias (model/moe.py)
         self.scores: dict[int, list[torch.Tensor]] = {}  # per held MoE module (id): this step's sampled scores
         self.layers = [i for i in range(args.n_layers) if args.moe_layer(i)]  # every MoE block, on any stage
         self.n_experts = args.n_experts
@@ -68,8 +66,9 @@ class Routing:
             self.collecting, self.reduced = True, False
 
     def end_step(self) -> None:
-        """After the optimizer step: the step's figures added up, and the sigmoid router's bias += rate *
-        sign(mean - load) per block, over the load of the step's micro-batches and ranks."""
+        """After the optimizer step: the step's figures added up, and each block's balancing bias moved: by rate *
+        sign(mean - load), over the load of the step's micro-batches and ranks ("sign"), solved from the step's scores
+        ("solve"), or to the last forward's own solution ("batch"), the same on every rank."""
         self.collecting = False
         for lo, hi, forwards in self.taken:
             kept = forwards[-self.micro_batches:] if self.micro_batches else forwards
@@ -77,6 +76,9 @@ class Routing:
             forwards.clear()
         if self.solve and self.held:
             self._solve_bias()
+        elif self.in_batch and self.held:
+            self._set_biases(torch.stack([moe.last_bias if moe.last_bias is not None else moe.expert_bias
+                                          for _, moe in self.held]))
         elif self.biased and self.rate > 0 and self.held:
             self._reduce()
             for row, moe in self.held:
@@ -138,22 +140,27 @@ class Routing:
             rows = [row for row, _, _ in blocks]
             solved[rows] = balancing_bias(torch.stack([s for _, _, s in blocks]),
                                           torch.stack([moe.expert_bias for _, moe, _ in blocks]), k)
-        if self.world > 1:
-            dist.all_reduce(solved, group=self.group)
-            solved /= dist.get_world_size(self.group)
-        for row, moe in self.held:
-            moe.expert_bias.copy_(solved[row])
         self.scores.clear()
+        self._set_biases(solved[[row for row, _ in self.held]])
+
+    def _set_biases(self, biases: torch.Tensor) -> None:
+        """The held blocks' biases [held, E] set to their mean over the ranks that route other tokens through the
+        same blocks, so that every rank holds the same bias."""
+        if self.world > 1:
+            full = torch.zeros(len(self.layers), self.n_experts, dtype=torch.float32, device=self.sums.device)
+            full[[row for row, _ in self.held]] = biases.float()
+            dist.all_reduce(full, group=self.group)
+            biases = full[[row for row, _ in self.held]] / dist.get_world_size(self.group)
+        for (_, moe), bias in zip(self.held, biases):
+            moe.expert_bias.copy_(bias)
 
     def _take(self, forwards: list, moes: list, module, inputs, output) -> None:
         """A stage's forward hook: its blocks' figures of this micro-batch [blocks, E + 4], kept on the device."""
         if not self.collecting:
             return
         if self.solve and moes[0].last_scores is not None:
-            for moe in moes:  # evenly spaced rows, copied (a strided view would keep the whole tensor)
-                scores = moe.last_scores
-                stride = -(-scores.shape[0] // SOLVE_ROWS)
-                self.scores.setdefault(id(moe), []).append(scores[::stride].contiguous() if stride > 1 else scores)
+            for moe in moes:  # up to SOLVE_ROWS evenly spaced rows (model/moe.py)
+                self.scores.setdefault(id(moe), []).append(moe.last_scores)
         loads = torch.stack([m.last_load for m in moes]).double()
         if moes[0].last_aux is None:  # recorded in grad mode only, as training's forwards run
             figures = loads.new_zeros(len(moes), 3)

@@ -306,7 +306,7 @@ def _loop(cfg, env, model, optimizer, data, profiler, checkpointer, start_step, 
         )
     train_step = TrainStep(model, optimizer, cfg, env, dtype, profiler.clock)
     # moe.* and the sigmoid router's bias update
-    routing = Routing(model, cfg.model.router_bias_rate, env, dims, cfg.model.router_bias_update)
+    routing = Routing(model, cfg.model.router_bias_rate, env, dims)
     hardware = build_hardware(cfg.hw, env, cfg.run_dir)
     try:
         hardware.start()

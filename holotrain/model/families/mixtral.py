@@ -8,7 +8,7 @@ from __future__ import annotations
 from holotrain.model.args import Family, ModelArgs
 from holotrain.model.decoder import build_dense
 from holotrain.model.families.mistral import from_hf as mistral_from_hf
-from holotrain.model.families import hf_int
+from holotrain.model.families import hf_int, softmax_router_only
 
 
 def from_hf(config: dict, where: str) -> dict:
@@ -18,6 +18,7 @@ def from_hf(config: dict, where: str) -> dict:
 
 
 def to_hf(args: ModelArgs) -> dict:
+    softmax_router_only(args, "MixtralForCausalLM")
     return {"sliding_window": args.sliding_window or None, "intermediate_size": args.moe_ffn_dim,
             "num_local_experts": args.n_experts, "num_experts_per_tok": args.n_active_experts,
             "router_aux_loss_coef": args.moe_aux_loss_coef, "output_router_logits": False, "router_jitter_noise": 0.0}
@@ -45,5 +46,5 @@ PRESETS = {
 FAMILY = Family(name="mixtral", presets=PRESETS, hf_model_types=("mixtral",), hf_architecture="MixtralForCausalLM",
                 fixed={"qkv_bias": False, "out_bias": False, "mlp_bias": False, "qk_norm": False, "router": "softmax",
                        "norm_topk_prob": True, "shared_ffn_dim": 0},
-                allowed=("sliding_window", "n_experts"), from_hf=from_hf, to_hf=to_hf, build=build_dense, check=check,
+                allowed=("sliding_window", "n_experts", "router_bias"), from_hf=from_hf, to_hf=to_hf, build=build_dense, check=check,
                 hf_experts=("block_sparse_moe", ("w1", "w3", "w2")))

@@ -2,15 +2,16 @@
 of experts in place of the feed-forward: a softmax router over num_experts, the top num_experts_per_tok, their
 weights renormalized (norm_topk_prob), no shared expert. decoder_sparse_step and mlp_only_layers leave some blocks
 dense (intermediate_size wide); the released models have every block MoE. A model trained from scratch may take
-DeepSeek-V3's sigmoid router instead (model.router = "sigmoid": balancing by a bias, no auxiliary loss); Hugging
-Face's Qwen3-MoE has no such router, so that model does not export."""
+DeepSeek-V3's sigmoid router instead (model.router = "sigmoid": balancing by a bias, no auxiliary loss), or keep the
+softmax and balance its choice by such a bias (model.router_bias); Hugging Face's Qwen3-MoE has neither, so such a
+model does not export."""
 
 from __future__ import annotations
 
 from holotrain.errors import ConfigError
 from holotrain.model.args import Family, ModelArgs
 from holotrain.model.decoder import build_dense
-from holotrain.model.families import hf_int
+from holotrain.model.families import hf_int, softmax_router_only
 
 
 def from_hf(config: dict, where: str) -> dict:
@@ -29,9 +30,7 @@ def from_hf(config: dict, where: str) -> dict:
 
 
 def to_hf(args: ModelArgs) -> dict:
-    if args.router != "softmax":
-        raise ConfigError(f"model.router = {args.router!r}: Hugging Face's Qwen3-MoE routes by softmax only, so this "
-                          "model cannot be exported as Qwen3MoeForCausalLM")
+    softmax_router_only(args, "Qwen3MoeForCausalLM")
     return {"attention_bias": args.qkv_bias, "use_sliding_window": False, "sliding_window": None,
             "num_experts": args.n_experts, "num_experts_per_tok": args.n_active_experts,
             "moe_intermediate_size": args.moe_ffn_dim, "norm_topk_prob": args.norm_topk_prob,
@@ -58,5 +57,5 @@ PRESETS = {
 
 FAMILY = Family(name="qwen3_moe", presets=PRESETS, hf_model_types=("qwen3_moe",), hf_architecture="Qwen3MoeForCausalLM",
                 fixed={"qk_norm": True, "mlp_bias": False, "shared_ffn_dim": 0},
-                allowed=("qkv_bias", "out_bias", "n_experts", "router"), from_hf=from_hf, to_hf=to_hf,
+                allowed=("qkv_bias", "out_bias", "n_experts", "router", "router_bias"), from_hf=from_hf, to_hf=to_hf,
                 build=build_dense, check=check, hf_experts=("mlp", ("gate_proj", "up_proj", "down_proj")))

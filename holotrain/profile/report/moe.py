@@ -44,7 +44,7 @@ def moe_section(rows: list[dict]) -> str | None:
              ("balance loss (mean over blocks; 1 = balanced)", _fmt(_num(latest.get("moe.balance_loss")))),
              ("z-loss (mean over blocks)", _fmt(_num(latest.get("moe.z_loss"))))]
     if _num(latest.get("moe.expert_bias_max_abs")) is not None:
-        facts.append(("sigmoid router's largest |expert bias|", _fmt(_num(latest["moe.expert_bias_max_abs"]))))
+        facts.append(("largest |balancing bias|", _fmt(_num(latest["moe.expert_bias_max_abs"]))))
     note = ("Loads are token copies (a token counts once for each of its experts) of one logged step, summed over its "
             "micro-batches and the data-parallel ranks; white is the block's mean, red above it, blue below.")
     if len(layers) > len(shown):
