@@ -233,11 +233,14 @@ def test_batch_bias_balances_each_training_forward_of_a_softmax_router():
     with torch.no_grad():
         moe(x)
     assert max_over_mean() > 3  # the bias is the trainer's to keep (Routing.end_step)
+    moe.balancing.fill_(False)  # between steps (an evaluation runs in grad mode too): the kept bias
+    moe(x)
+    assert max_over_mean() > 3
 
 
 def test_batch_bias_is_kept_after_the_step_for_evaluation():
-    """After a step, each block's bias is its last training forward's solution: evaluation then routes with it, and
-    the logged row has the bias's spread."""
+    """After a step, each block's bias is its last training forward's solution, and evaluation (in grad mode, as
+    training's forwards) then routes with it; the logged row has the bias's spread."""
     from holotrain.model.registry import fix_switches, preset
 
     args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_layers=2, n_heads=2,
@@ -254,8 +257,10 @@ def test_batch_bias_is_kept_after_the_step_for_evaluation():
         tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s))
         model(tokens, tokens).backward()
     solved = [moe.last_bias.clone() for moe in moes]
+    assert all(moe.balancing for moe in moes)
     routing.end_step()
     for moe, bias in zip(moes, solved):
         assert torch.equal(moe.expert_bias, bias) and bias.abs().max() > 0
+        assert not moe.balancing  # an evaluation before the next step routes with expert_bias
     assert "moe.expert_bias_max_abs" in routing.metrics()
     routing.close()

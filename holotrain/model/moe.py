@@ -192,6 +192,12 @@ class MoE(nn.Module):
         else:
             self.expert_bias = None
         self.bias_update = args.router_bias_update
+        if self.expert_bias is not None and self.bias_update == "batch":
+            # Whether a grad-mode forward chooses with the bias it solves on its tokens (a training forward), or with
+            # expert_bias (an evaluation: it runs in grad mode too, to reuse training's compiled graphs). A tensor,
+            # not a Python flag, so that compiled code reads it without a guard; train/routing.py sets it around
+            # each step. Not saved.
+            self.register_buffer("balancing", torch.ones((), dtype=torch.bool), persistent=False)
         self.hooks = None  # the decoder's Hooks (its `experts` slot: expert parallelism), set by the decoder
         self.copies: tuple[torch.Tensor, ...] | None = None  # bf16 w1, w3, w2 held over a step (ExpertCopies)
         self.grouped: bool | None = None  # grouped_swiglu's path (None: grouped GEMMs on CUDA in bf16)
@@ -242,8 +248,8 @@ class MoE(nn.Module):
                 elif self.bias_update == "batch":
                     # This forward's own tokens balanced, from the step's bias: the trainer keeps the solution
                     # for evaluation, generation and the next step's start.
-                    bias = balancing_bias(sample[::stride], bias, self.top_k, BATCH_ROUNDS)
-                    self.last_bias = bias
+                    self.last_bias = balancing_bias(sample[::stride], bias, self.top_k, BATCH_ROUNDS)
+                    bias = torch.where(self.balancing, self.last_bias, bias)
             experts = (biased + bias).topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, experts)
         if self.norm_topk_prob:
@@ -331,6 +337,8 @@ class MoE(nn.Module):
         """The expert bias starts at zero (a model built on "meta" and placed holds garbage)."""
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+        if self.bias_update == "batch" and self.expert_bias is not None:
+            self.balancing.fill_(True)
 
 
 class ExpertCopies:

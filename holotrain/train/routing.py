@@ -64,12 +64,14 @@ class Routing:
     def begin_step(self) -> None:
         if self.layers:
             self.collecting, self.reduced = True, False
+            self._balance_in_forward(True)
 
     def end_step(self) -> None:
         """After the optimizer step: the step's figures added up, and each block's balancing bias moved: by rate *
         sign(mean - load), over the load of the step's micro-batches and ranks ("sign"), solved from the step's scores
         ("solve"), or to the last forward's own solution ("batch"), the same on every rank."""
         self.collecting = False
+        self._balance_in_forward(False)  # evaluations between steps route with the kept bias
         for lo, hi, forwards in self.taken:
             kept = forwards[-self.micro_batches:] if self.micro_batches else forwards
             self.sums[lo:hi] = torch.stack(kept).sum(0) if kept else 0.0
@@ -142,6 +144,11 @@ class Routing:
                                           torch.stack([moe.expert_bias for _, moe, _ in blocks]), k)
         self.scores.clear()
         self._set_biases(solved[[row for row, _ in self.held]])
+
+    def _balance_in_forward(self, on: bool) -> None:
+        if self.in_batch:
+            for _, moe in self.held:
+                moe.balancing.fill_(on)
 
     def _set_biases(self, biases: torch.Tensor) -> None:
         """The held blocks' biases [held, E] set to their mean over the ranks that route other tokens through the
