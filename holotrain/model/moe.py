@@ -37,7 +37,7 @@ BIAS_UPDATES = ("sign", "solve", "batch")
 SOLVE_ROWS = 4096
 # A bias solved within a forward starts from the step's bias (last step's solution): this many rounds of
 # balancing_bias, each halving every expert's distance to its balancing bias.
-BATCH_ROUNDS = 8
+BATCH_ROUNDS = 16
 
 
 def moe_problem(args: ModelArgs) -> str | None:
