@@ -96,13 +96,13 @@ part_eval() {
 #            eager:autocast"), each capped at PEER_CAP (150) s; batched_mm is left out (it gathers every token copy's
 #            expert weights: hundreds of GB a layer at this shape)
 #   balance  moe-balance (12 layers of d 1024, 64 experts, top 8) on the embedded corpus, its 300 steps once per
-#            BALANCE entry (default "solve sigmoid aux"): the sigmoid router (auxiliary-loss-free) with its bias solved
-#            from each step's scores (model.router_bias_update = "solve"), with the sign rule (the config's default;
-#            BIAS_RATE sets model.router_bias_rate), and the softmax router with model.moe_aux_loss_coef = 0.01;
-#            "batch": the softmax router balanced by a bias solved within each forward (model.router_bias = true,
-#            router_bias_update = "batch"), "sigbatch": the sigmoid router so;
-#            BALANCE_BATCH sets the sequences a step (micro-batches of 16: the floor of a one-step-late bias falls with
-#            the documents a step holds, bench/balance_floor.py); BALANCE_CAP: seconds a run may take (240)
+#            BALANCE entry (default "batch aux"): "batch", the softmax router balanced by a bias solved within each
+#            training forward (model.router_bias = true, router_bias_update = "batch"); "aux", the softmax router with
+#            model.moe_aux_loss_coef = 0.01; "sigbatch", the sigmoid router (the config's) with the in-forward bias;
+#            "solve", the sigmoid router's bias solved after each step from its scores; "sigmoid", the sign rule
+#            (BIAS_RATE sets model.router_bias_rate). BALANCE_BATCH sets the sequences a step (micro-batches of 16:
+#            the floor of a one-step-late bias falls with the documents a step holds, bench/balance_floor.py);
+#            BALANCE_CAP: seconds a run may take (240)
 # Summary: bench/moe_summary.py OUT_DIR.
 part_moe() {
   local steps=${1:-40} what=${2:-train peer}
@@ -132,7 +132,7 @@ part_moe() {
               --out "$out/peer-$impl-$precision.json"
             grep "^moe_peer: $impl" "$out/peer-$impl-$precision.log" | tail -3
           done ;;
-    balance) for run in ${BALANCE:-solve sigmoid aux}; do
+    balance) for run in ${BALANCE:-batch aux}; do
                local extra=(${BIAS_RATE:+--model.router_bias_rate=$BIAS_RATE})
                [ $run = solve ] && extra=(--model.router_bias_update=solve)
                [ $run = aux ] && extra=(--model.router=softmax --model.moe_aux_loss_coef=0.01)
