@@ -82,7 +82,8 @@ def balance_figures(path: Path) -> dict | None:
     late = [load_ratios(r) for r in rows if r["step"] > BALANCE_AFTER]
     late = [x for x in late if x]
     losses = [r["loss"] for r in rows if r["step"] > last - LAST_STEPS and isinstance(r.get("loss"), (int, float))]
-    return {"steps": last, "max_ratio": max(max(x) for x in late) if late else None,
+    speeds = [r["tokens_per_s"] for r in rows if r["step"] > BALANCE_AFTER and r.get("tokens_per_s")]
+    return {"steps": last, "tokens_per_s": statistics.median(speeds) if speeds else None, "max_ratio": max(max(x) for x in late) if late else None,
             "median_ratio": statistics.median(max(x) for x in late) if late else None,
             "final_loss": statistics.mean(losses) if losses else None,
             "moe_keys": sorted({k for r in rows for k in r if k.startswith("moe.")})}
@@ -126,6 +127,9 @@ def main(out: Path) -> None:
                   f"median row's worst layer {b['median_ratio']:.3f} (target <= 1.25)")
         if b["final_loss"] is not None:
             print(f"balance {name}: loss over the last {LAST_STEPS} of {b['steps']} steps {b['final_loss']:.4f}")
+        if b["tokens_per_s"]:
+            print(f"balance {name}: {b['tokens_per_s']:,.0f} tokens/s (the median of the rows after step "
+                  f"{BALANCE_AFTER})")
     aux = runs["aux"]
     for name in ("solve", "sigmoid", "batch", "sigbatch"):
         sig = runs[name]

@@ -76,8 +76,9 @@ def test_moe_summary_reads_the_parts(tmp_path, capsys):
         {"experts": "grouped_mm", "precision": "bf16", "tokens_per_s": 5000.0, "tflops": 120.0, "mfu": 0.12,
          "peak_mem_gb": 60.0, "micro": 4, "accum": 8, "checkpointing": "none"}]}))
     (tmp_path / "peer-eager-autocast.log").write_text("")  # timed out: no JSON
-    for name, loss, worst in (("solve", 3.03 * 1.002, 1.2), ("sigmoid", 3.00, 1.1), ("aux", 3.03, 1.4)):
-        jsonl(f"balance-{name}.jsonl", [{"step": s, "loss": loss, "moe.load_max_over_mean":
+    for name, loss, worst in (("solve", 3.03 * 1.002, 1.2), ("sigmoid", 3.00, 1.1), ("batch", 3.03, 1.04),
+                              ("aux", 3.03, 1.4)):
+        jsonl(f"balance-{name}.jsonl", [{"step": s, "loss": loss, "tokens_per_s": 900.0 + s, "moe.load_max_over_mean":
                                          [1.05, worst if s > 100 else 3.0, None]} for s in range(5, 305, 5)])
     _bench("moe_summary").main(tmp_path)
     out = capsys.readouterr().out
@@ -88,6 +89,8 @@ def test_moe_summary_reads_the_parts(tmp_path, capsys):
     assert "sigmoid loss / auxiliary-loss run's: 0.9901" in out
     assert "balance solve: max/mean expert load after step 100: worst 1.200" in out
     assert "solve loss / auxiliary-loss run's: 1.0020" in out
+    assert "balance batch: max/mean expert load after step 100: worst 1.050" in out  # the first layer's 1.05
+    assert "batch loss / auxiliary-loss run's: 1.0000" in out and "balance batch: 1,102 tokens/s" in out  # steps 105-300
 
 
 def test_balance_floor_counts_the_three_biases_of_a_watched_forward():
