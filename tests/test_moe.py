@@ -124,6 +124,28 @@ def test_export_loads_in_transformers_and_imports_back_bit_for_bit(hf_and_ours):
             assert torch.equal(again.state_dict()[name], value), name
 
 
+def test_an_import_fine_tunes_with_a_balancing_bias_that_does_not_export(hf_and_ours, tmp_path):
+    """A Hugging Face model imported with model.router_bias = true: its bias (absent from the checkpoint) starts at
+    zero, so the logits are transformers' still; its export is refused in one line naming the key."""
+    from holotrain.config import load_config, resolve
+    from holotrain.errors import ConfigError
+    from holotrain.export import write_model
+    from holotrain.parallel import DistEnv
+    from holotrain.train.trainer import build_model
+
+    kind, directory, hf, _ = hf_and_ours
+    cfg = resolve(load_config(None, [f"--model.init_from={directory / 'hf'}", f"--data.seq_len={T}",
+                                     "--job.device=cpu", "--model.router_bias=true",
+                                     "--model.router_bias_update=batch"]), tokenizer_vocab=VOCAB)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model = build_model(cfg, env, torch.float32).eval()
+    assert all(not moe.expert_bias.any() for moe in model.moe_modules().values())
+    with torch.no_grad():
+        assert (model(TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-4
+    with pytest.raises(ConfigError, match="model.router_bias = true: Hugging Face's .* without a balancing bias"):
+        write_model(model, tmp_path / "export")
+
+
 def _moe(router="softmax", norm=True, shared=0, E=6, k=2, D=16, F=24, aux=0.0, z=0.0, seed=0) -> MoE:
     torch.manual_seed(seed)
     args = ModelArgs(dim=D, n_experts=E, n_active_experts=k, moe_ffn_dim=F, shared_ffn_dim=shared, router=router,

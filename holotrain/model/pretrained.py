@@ -215,6 +215,8 @@ def load_hf_weights(model: nn.Module, pretrained: Pretrained) -> int:
     by_file: dict[Path, list[tuple[str, Piece]]] = {}
     for name in params:
         if name not in pretrained.weight_files:
+            if name.endswith(".expert_bias"):  # a balancing bias the model lacked (model.router_bias): it starts at 0
+                continue
             raise ConfigError(f"{pretrained.directory}: the weights lack {_hf_label(name)}")
         for piece, path in pretrained.weight_files[name]:
             by_file.setdefault(path, []).append((name, piece))
