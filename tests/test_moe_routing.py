@@ -264,3 +264,19 @@ def test_batch_bias_is_kept_after_the_step_for_evaluation():
         assert not moe.balancing  # an evaluation before the next step routes with expert_bias
     assert "moe.expert_bias_max_abs" in routing.metrics()
     routing.close()
+
+
+def test_a_fine_tune_may_change_how_the_load_is_balanced(sigmoid_run, tmp_path):
+    """model.init_from a run: the balancing settings may differ from the source's (a fine-tune's choice), and a
+    balancing bias the source lacked (its softmax router had none) starts at zero."""
+    from holotrain.train import train
+
+    softmax_run = tmp_path / "softmax"
+    train(load_config(None, tiny_args(softmax_run, **{**MOE, "training.steps": 1, "checkpoint.every": 1})))
+    for source, extra in ((softmax_run, {"model.router_bias": True}), (sigmoid_run, {})):
+        run_dir = tmp_path / f"from-{source.name}"
+        train(load_config(None, tiny_args(run_dir, **{
+            "model.init_from": str(source), "model.router_bias_update": "batch", "training.steps": 1,
+            "checkpoint.every": 1, **extra})))
+        row = read_metrics(run_dir)[-1]
+        assert row["moe.expert_bias_max_abs"] > 0  # solved in the step's forward, kept after it

@@ -473,10 +473,16 @@ def why_unusable(error: BaseException) -> str:
 def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     """Model weights only (for export and evaluation); no process group needed."""
     model_sd = get_state_dict(model, [], options=StateDictOptions())[0]
+    reader = SafeFileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    # A balancing bias the saved model lacked (model.router_bias turned on for a fine-tune) keeps its zeros.
+    absent = [k for k in model_sd if k.endswith(".expert_bias") and f"model.{k}" not in saved]
+    for key in absent:
+        model_sd.pop(key)
     state = {"model": model_sd}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path))
-    model.load_state_dict(state["model"])
+        dcp.load(state, checkpoint_id=path, storage_reader=reader)
+    model.load_state_dict(state["model"], strict=not absent)
 
 
 def fault_point(step: int) -> None:
