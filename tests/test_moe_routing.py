@@ -266,17 +266,19 @@ def test_batch_bias_is_kept_after_the_step_for_evaluation():
     routing.close()
 
 
-def test_a_fine_tune_may_change_how_the_load_is_balanced(sigmoid_run, tmp_path):
-    """model.init_from a run: the balancing settings may differ from the source's (a fine-tune's choice), and a
-    balancing bias the source lacked (its softmax router had none) starts at zero."""
-    from holotrain.train import train
+def test_a_fine_tune_may_change_how_the_load_is_balanced(tmp_path):
+    """model.init_from: the balancing settings may differ from the source's (a fine-tune's choice: "batch" and a
+    bias on the softmax router where the source saved "solve" and none), while a dimension that differs is refused.
+    (A bias the source lacked starts at zero: tests/test_moe.py, from a Hugging Face directory.)"""
+    from holotrain.config import ModelConfig
+    from holotrain.errors import ConfigError
+    from holotrain.model.pretrained import Pretrained, apply_fields
 
-    softmax_run = tmp_path / "softmax"
-    train(load_config(None, tiny_args(softmax_run, **{**MOE, "training.steps": 1, "checkpoint.every": 1})))
-    for source, extra in ((softmax_run, {"model.router_bias": True}), (sigmoid_run, {})):
-        run_dir = tmp_path / f"from-{source.name}"
-        train(load_config(None, tiny_args(run_dir, **{
-            "model.init_from": str(source), "model.router_bias_update": "batch", "training.steps": 1,
-            "checkpoint.every": 1, **extra})))
-        row = read_metrics(run_dir)[-1]
-        assert row["moe.expert_bias_max_abs"] > 0  # solved in the step's forward, kept after it
+    source = Pretrained("run", tmp_path, {"family": "qwen3_moe", "dim": 64, "router_bias": False,
+                                          "router_bias_update": "solve"}, tmp_path / "tokenizer.json")
+    section = ModelConfig(router_bias=True, router_bias_update="batch")
+    apply_fields(section, source)
+    assert (section.family, section.dim, section.router_bias, section.router_bias_update) == (
+        "qwen3_moe", 64, True, "batch")
+    with pytest.raises(ConfigError, match="model.dim = 32 differs from model.init_from's 64"):
+        apply_fields(ModelConfig(dim=32), source)
