@@ -47,6 +47,20 @@ def _saved_bias(checkpoint, layers) -> torch.Tensor:
     return torch.stack([state["model"][f"layers.{i}.feed_forward.expert_bias"] for i in layers])
 
 
+def _tiny_model_and_routing(**extra) -> tuple[torch.nn.Module, Routing]:
+    """A two-block Qwen3-MoE of E experts, top K, built in this process, with its Routing (one process)."""
+    from holotrain.model.registry import fix_switches, preset
+
+    args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_layers=2, n_heads=2,
+                               n_kv_heads=1, head_dim=16, ffn_dim=32, moe_ffn_dim=16, n_experts=E, vocab_size=64,
+                               max_seq_len=16, n_active_experts=K, **extra)
+    fix_switches("qwen3_moe", args)
+    torch.manual_seed(0)
+    model = build(args)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    return model, Routing(model, RATE, env, ParallelDims(world=1))
+
+
 @pytest.fixture(scope="module")
 def sigmoid_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("moe-routing")
@@ -101,16 +115,7 @@ def test_report_and_tensorboard_show_the_routing(sigmoid_run):
 def test_only_the_training_steps_forwards_count():
     """Two micro-batches' loads are summed; an eval's forward (in grad mode too) between steps is not; a softmax
     router logs no bias; a dense model gives no fields."""
-    from holotrain.model.registry import fix_switches, preset
-
-    args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_layers=2, n_heads=2,
-                               n_kv_heads=1, head_dim=16, ffn_dim=32, moe_ffn_dim=16, n_experts=E, vocab_size=64,
-                               max_seq_len=16, n_active_experts=K)
-    fix_switches("qwen3_moe", args)
-    torch.manual_seed(0)
-    model = build(args)
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    routing = Routing(model, RATE, env, ParallelDims(world=1))
+    model, routing = _tiny_model_and_routing()
     batches = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(3)]
     routing.begin_step()
     expected = 0
@@ -123,8 +128,8 @@ def test_only_the_training_steps_forwards_count():
     assert row["moe.tokens_per_expert"] == expected.tolist()
     assert "moe.expert_bias_max_abs" not in row
     routing.close()
-    dense = build(dataclasses.replace(args, n_experts=0, n_active_experts=0, moe_ffn_dim=0))
-    assert Routing(dense, RATE, env, ParallelDims(world=1)).metrics() == {}
+    dense = build(dataclasses.replace(model.args, n_experts=0, n_active_experts=0, moe_ffn_dim=0))
+    assert Routing(dense, RATE, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), ParallelDims(world=1)).metrics() == {}
 
 
 @pytest.mark.slow
@@ -168,17 +173,8 @@ def test_solve_sets_the_bias_from_the_steps_scores():
     """router_bias_update = "solve": after the step, each block's bias is balancing_bias over both micro-batches'
     scores, from the bias it had."""
     from holotrain.model.moe import balancing_bias
-    from holotrain.model.registry import fix_switches, preset
 
-    args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_layers=2, n_heads=2,
-                               n_kv_heads=1, head_dim=16, ffn_dim=32, moe_ffn_dim=16, n_experts=E, vocab_size=64,
-                               max_seq_len=16, n_active_experts=K, router="sigmoid",
-                               router_bias_update="solve")
-    fix_switches("qwen3_moe", args)
-    torch.manual_seed(0)
-    model = build(args)
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    routing = Routing(model, RATE, env, ParallelDims(world=1))
+    model, routing = _tiny_model_and_routing(router="sigmoid", router_bias_update="solve")
     moes = list(model.moe_modules().values())
     start = torch.tensor([0.3, -0.1, 0.0, -0.2])
     for moe in moes:
@@ -241,16 +237,7 @@ def test_batch_bias_balances_each_training_forward_of_a_softmax_router():
 def test_batch_bias_is_kept_after_the_step_for_evaluation():
     """After a step, each block's bias is its last training forward's solution, and evaluation (in grad mode, as
     training's forwards) then routes with it; the logged row has the bias's spread."""
-    from holotrain.model.registry import fix_switches, preset
-
-    args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_layers=2, n_heads=2,
-                               n_kv_heads=1, head_dim=16, ffn_dim=32, moe_ffn_dim=16, n_experts=E, vocab_size=64,
-                               max_seq_len=16, n_active_experts=K, router_bias=True, router_bias_update="batch")
-    fix_switches("qwen3_moe", args)
-    torch.manual_seed(0)
-    model = build(args)
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    routing = Routing(model, RATE, env, ParallelDims(world=1))
+    model, routing = _tiny_model_and_routing(router_bias=True, router_bias_update="batch")
     moes = list(model.moe_modules().values())
     routing.begin_step()
     for s in range(2):

@@ -42,8 +42,9 @@ class ModelArgs:
     # or "sigmoid" (DeepSeek-V3: independent scores, the top k chosen by score + a per-expert bias that balances the
     # load without a loss, weighted by the scores). router_bias: a softmax router chooses by its logits + such a bias
     # too (the weights still the softmax's). router_bias_update: how that bias moves ("sign", "solve" after each
-    # step by the trainer; "batch": solved within each training forward, model/moe.py). Blocks (i + 1) % moe_every == 0 and not in dense_layers are MoE
-    # (Hugging Face's decoder_sparse_step and mlp_only_layers); the others keep the dense ffn_dim.
+    # step by the trainer; "batch": solved within each training forward, model/moe.py). Blocks
+    # (i + 1) % moe_every == 0 and not in dense_layers are MoE (Hugging Face's decoder_sparse_step and
+    # mlp_only_layers); the others keep the dense ffn_dim.
     # moe_aux_loss_coef: the load-balancing loss (E * sum_e f_e * P_e per MoE block) and router_z_loss_coef: the
     # router z-loss (mean squared logsumexp of the logits), summed over the blocks, in the training loss's gradient.
     n_experts: int = 0

@@ -14,8 +14,7 @@ The steps are separate methods, so that expert parallelism (parallel/ep.py) can 
 Each forward keeps what later metrics and the router-bias update read: `last_load` [E] (token copies per expert,
 detached), `last_aux` [2] (the load-balancing and z-loss values, detached), `last_scores` (with
 router_bias_update "solve": up to SOLVE_ROWS rows of the scores the bias is added to, of a training forward,
-detached), `last_bias` (with "batch": the bias that forward solved and chose with), and `aux_loss`, the weighted auxiliary
-term with its graph (when a coefficient is > 0), which the decoder's loss takes into the training gradient
+detached), `last_bias` (with "batch": the bias that forward solved), and `aux_loss`, the weighted auxiliary term with its graph (when a coefficient is > 0), which the decoder's loss takes into the training gradient
 (decoder.Decoder.loss) and clears. Expert weights are stacked 3-D parameters, w1 (gate) and w3 (up) [E, F, D] and
 w2 (down) [E, D, F], as Hugging Face's per-expert linears stacked (model/hf.py)."""
 
@@ -55,9 +54,6 @@ def moe_problem(args: ModelArgs) -> str | None:
         return f"model.shared_ffn_dim must be >= 0 (0: no shared experts), got {args.shared_ffn_dim}"
     if args.router not in ROUTERS:
         return f"model.router must be one of {', '.join(ROUTERS)}, got {args.router!r}"
-    if args.router_bias_update not in BIAS_UPDATES:
-        return (f"model.router_bias_update must be one of {', '.join(BIAS_UPDATES)}, got "
-                f"{args.router_bias_update!r}")
     if args.moe_every < 1:
         return f"model.moe_every must be >= 1, got {args.moe_every}"
     if any(not 0 <= i < args.n_layers for i in args.dense_layers):

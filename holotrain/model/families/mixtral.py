@@ -46,5 +46,5 @@ PRESETS = {
 FAMILY = Family(name="mixtral", presets=PRESETS, hf_model_types=("mixtral",), hf_architecture="MixtralForCausalLM",
                 fixed={"qkv_bias": False, "out_bias": False, "mlp_bias": False, "qk_norm": False, "router": "softmax",
                        "norm_topk_prob": True, "shared_ffn_dim": 0},
-                allowed=("sliding_window", "n_experts", "router_bias"), from_hf=from_hf, to_hf=to_hf, build=build_dense, check=check,
-                hf_experts=("block_sparse_moe", ("w1", "w3", "w2")))
+                allowed=("sliding_window", "n_experts", "router_bias"), from_hf=from_hf, to_hf=to_hf, build=build_dense,
+                check=check, hf_experts=("block_sparse_moe", ("w1", "w3", "w2")))
