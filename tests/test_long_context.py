@@ -5,8 +5,10 @@ import torch
 
 from holotrain.config import load_config, resolve
 from holotrain.memory.activation_checkpointing import recompute_share
+from holotrain.memory.plan import plan_memory
+from holotrain.model import build
 from holotrain.parallel import DistEnv
-from holotrain.train.resolve import checkpointing_choice
+from holotrain.train.resolve import checkpointing_choice, model_args
 
 
 def test_auto_checkpointing_recomputes_only_at_long_sequences(capsys):
@@ -28,16 +30,21 @@ def test_auto_checkpointing_recomputes_only_at_long_sequences(capsys):
     assert recompute_share(policy, 24, blocks=blocks) < recompute_share("full", 24)
     assert policy == "all-but-attention" and 0 < blocks < 24
     assert "memory.activation_checkpointing = auto -> none" in capsys.readouterr().out
+    # Any number of blocks, not only quarters of the depth: one block fewer recomputed would not fit.
+    assert blocks not in (6, 12, 18)
+    fewer = resolve(load_config("1.4b", ["--data.seq_len=131072", "--training.batch_size=1",
+                                         f"--memory.activation_checkpointing={policy}",
+                                         f"--memory.activation_checkpointing_blocks={blocks - 1}"]),
+                    tokenizer_vocab=32000)
+    with torch.device("meta"):
+        model = build(model_args(fewer))
+    assert not plan_memory(model, fewer, 1, gpu.device, 1, 1, gpu_capacity=140e9, host_capacity=100e9).gpu_fits
 
 
 def test_auto_adds_tiles_then_offloaded_inputs_where_recomputation_alone_does_not_fit(capsys):
     """The 1.4b at T = 1,048,576 on a 140 GB GPU: "full" alone does not fit, so the feed-forwards are tiled (64 tiles
     of 16,384 tokens) and the inputs of as few blocks as fit wait on the host (the rest stay on the GPU); the plan
     of that choice fits GPU and host. A job that sets memory.ffn_tiles itself keeps it and gets no extras."""
-    from holotrain.model import build
-    from holotrain.memory.plan import plan_memory
-    from holotrain.train.resolve import model_args
-
     gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
     capacity = dict(gpu_capacity=140e9, host_capacity=110e9)
     cfg = resolve(load_config("1.4b", ["--data.seq_len=1048576", "--training.batch_size=1"]), tokenizer_vocab=32000)
@@ -66,8 +73,6 @@ def test_at_the_memory_limit_the_plan_keeps_its_own_error_in_hand(monkeypatch):
     planned) where 8 would plan 145.6 GB, under 98% but inside the plan's error there (1.7% low at 1M)."""
     from holotrain.memory import plan as memory_plan
     from holotrain.memory.plan import GPU_USABLE_EXPANDABLE, GPU_USABLE_LONG_SEQUENCE
-    from holotrain.model import build
-    from holotrain.train.resolve import model_args
 
     free = 149.56e9
     monkeypatch.setattr(memory_plan, "gpu_available_bytes", lambda device: free)
@@ -94,9 +99,7 @@ def test_the_8b_config_fits_an_h200_at_256k_and_at_512k_in_recompute_segments():
     with the offloaded optimizer's 112 GB, has no room for the inputs the GPU cannot hold. 786,432 fit nowhere."""
     import dataclasses
 
-    from holotrain.memory.plan import plan_memory
-    from holotrain.model import build, num_params
-    from holotrain.train.resolve import model_args
+    from holotrain.model import num_params
 
     gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
     capacity = dict(gpu_capacity=140e9, host_capacity=120e9)
@@ -147,8 +150,6 @@ def test_a_long_job_that_sets_full_is_told_the_long_sequence_levers():
 
     from holotrain.config import ConfigError
     from holotrain.memory.fit import check_fit
-    from holotrain.model import build
-    from holotrain.train.resolve import model_args
 
     cfg = resolve(load_config("1.4b", ["--data.seq_len=1048576", "--training.batch_size=1",
                                        "--memory.activation_checkpointing=full"]), tokenizer_vocab=32000)

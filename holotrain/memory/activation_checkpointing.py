@@ -84,10 +84,13 @@ def recomputed_blocks(policy: str, n_layers: int, blocks: int = 0) -> list[int]:
     return sorted(checkpointed_blocks(policy, n_layers, blocks) + attention_kept_blocks(policy, n_layers, blocks))
 
 
-def checkpointing_choices(n_layers: int) -> list[tuple[str, int]]:
+def checkpointing_choices(n_layers: int, every_count: bool = False) -> list[tuple[str, int]]:
     """(policy, blocks): every policy on its own blocks, and "pointwise" and "all-but-attention" on a quarter, half
-    and three quarters of the blocks, "full" on a quarter and three quarters (on half it is "selective")."""
-    some = sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4} - {0, n_layers})
+    and three quarters of the blocks, "full" on a quarter and three quarters (on half it is "selective").
+    `every_count`: the spread policies on any number of blocks, for a choice by the memory plan alone (a plan costs
+    milliseconds; the planner's trials of each would cost minutes)."""
+    some = (range(1, n_layers) if every_count
+            else sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4} - {0, n_layers}))
     return ([(policy, 0) for policy in POLICIES] + [(p, b) for p in ("pointwise", "all-but-attention") for b in some]
             + [("full", b) for b in some if b != n_layers // 2])
 

@@ -227,15 +227,15 @@ def with_checkpointing(cfg: Config, env: DistEnv) -> Config:
 
 
 def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **capacity) -> dict:
-    """memory.activation_checkpointing = "auto": of the policies (and their spreads over the blocks), the one with
-    the least recomputation that the memory plan fits, agreed by all ranks, as the memory section's settings. Where
-    even "full" does not fit, and the job left memory.ffn_tiles and memory.activation_offload_blocks at their
-    defaults, the long-sequence levers in turn (activation_checkpointing.long_sequence_choices: feed-forwards tiled,
-    then as few blocks' inputs on the host as fit, then recompute segments); "full" if nothing fits, which the
-    memory check then refuses with the numbers. Long sequences are what make it matter: the 1.4b keeps every
-    activation at T = 2048 and recomputes blocks at T = 131072. The recomputation counted: the matmuls run again, and the attention forward of the blocks
-    recomputed whole, which at long sequences outweighs them ("all-but-attention" keeps it). `capacity`:
-    plan_memory's, in place of this machine's."""
+    """memory.activation_checkpointing = "auto": of the policies (and their spreads over any number of blocks), the
+    one with the least recomputation that the memory plan fits, agreed by all ranks, as the memory section's
+    settings. Where even "full" does not fit, and the job left memory.ffn_tiles and memory.activation_offload_blocks
+    at their defaults, the long-sequence levers in turn (activation_checkpointing.long_sequence_choices:
+    feed-forwards tiled, then as few blocks' inputs on the host as fit, then recompute segments); "full" if nothing
+    fits, which the memory check then refuses with the numbers. Long sequences are what make it matter: the 1.4b
+    keeps every activation at T = 2048 and recomputes blocks at T = 131072. The recomputation counted: the matmuls
+    run again, and the attention forward of the blocks recomputed whole, which at long sequences outweighs them
+    ("all-but-attention" keeps it). `capacity`: plan_memory's, in place of this machine's."""
     mem = cfg.memory
     from holotrain.memory.activation_checkpointing import (checkpointed_blocks, checkpointing_choices,
                                                            long_sequence_choices, recompute_share)
@@ -252,7 +252,7 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
         return recompute_share(policy, n_layers, blocks=blocks) + attention * whole, choice
 
     choices = [{"activation_checkpointing": policy, "activation_checkpointing_blocks": blocks}
-               for policy, blocks in sorted(checkpointing_choices(n_layers), key=recomputation)]
+               for policy, blocks in sorted(checkpointing_choices(n_layers, every_count=True), key=recomputation)]
     full = next(i for i, c in enumerate(choices) if c["activation_checkpointing"] == "full"
                 and not c["activation_checkpointing_blocks"])
     # The long-sequence levers: where the job left them to the plan, on one GPU's sequence (no TP, CP or pipeline;
