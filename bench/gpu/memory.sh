@@ -168,13 +168,14 @@ PY
 import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print(f"{'run':16} {'tokens/s':>9} {'MFU':>6} {'peak GB':>8} {'step s':>7}  first/last loss")
+print(f"{'run':16} {'tokens/s':>9} {'MFU':>6} {'peak GB':>8} {'host GB':>8} {'step s':>7}  first/last loss")
 for p in sorted(out.glob("*.jsonl"), key=lambda p: (p.stem.split("-")[0], int(p.stem.split("-")[-1]))):
     rows = [json.loads(l) for l in p.read_text().splitlines()]
     timed = rows[1:] or rows
     tps = statistics.median(r["tokens_per_s"] for r in timed)
     mfu = statistics.median(r["mfu"] or 0 for r in timed)
-    print(f"{p.stem:16} {tps:>9,.0f} {mfu:>6.3f} {max(r['mem.peak_gb'] or 0 for r in rows):>8.1f} "
+    host = max(r.get("mem.host_rss_gb") or 0 for r in rows)  # the process's RSS at its logged steps
+    print(f"{p.stem:16} {tps:>9,.0f} {mfu:>6.3f} {max(r['mem.peak_gb'] or 0 for r in rows):>8.1f} {host:>8.1f} "
           f"{statistics.median(r['step_s'] for r in timed):>7.2f}  {rows[0]['loss']:.3f}/{rows[-1]['loss']:.3f}")
 for p in sorted(out.glob("peer-*.json"), key=lambda p: int(p.stem.split("-")[1])):
     r = json.loads(p.read_text())["rows"][0]
