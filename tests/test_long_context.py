@@ -159,3 +159,27 @@ def test_a_long_job_that_sets_full_is_told_the_long_sequence_levers():
                                           r'memory.activation_offload_blocks = 10 \(those blocks\' inputs in host '
                                           r'memory\): fits'):
         check_fit(model, cfg, 1, torch.device("cuda"), 1, 1, gpu_capacity=140e9, host_capacity=110e9)
+
+
+def test_checkpointing_leaves_room_for_the_fp8_recipe_that_auto_takes(monkeypatch, capsys):
+    """training.fp8 = "auto" on one GPU: where FP8 pays (the GEMM probe patched in), the checkpointing is planned
+    with the delayed recipe's kept transposes, so that recipe fits beside it (the 1.4b at 131k on an H100's free
+    memory: 21 blocks recomputed, where the plan without them takes 22 and leaves delayed no room); where FP8 does
+    not pay, it is planned without FP8's smaller activations."""
+    from holotrain.memory import plan as memory_plan
+    from holotrain.train import resolve as resolve_module
+
+    monkeypatch.setattr(memory_plan, "gpu_available_bytes", lambda device: 80.2e9)
+    monkeypatch.setattr(memory_plan, "host_available_bytes", lambda: 100e9)
+    gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    chosen = {}
+    for pays in ("tensorwise", "none"):
+        monkeypatch.setattr(resolve_module, "_fp8_pays", lambda cfg, env, micro, pays=pays: (pays, "patched"))
+        cfg = resolve(load_config("1.4b", ["--data.seq_len=131072", "--training.batch_size=1",
+                                           "--training.fp8=auto"]), tokenizer_vocab=32000)
+        resolve_module.resolve_levers(cfg, gpu, 1, 1)
+        chosen[pays] = (cfg.training.fp8, cfg.memory.activation_checkpointing,
+                        cfg.memory.activation_checkpointing_blocks)
+    assert chosen["tensorwise"] == ("delayed", "all-but-attention", 21), chosen
+    assert chosen["none"] == ("none", "all-but-attention", 22), chosen
+    assert "training.fp8 = auto -> delayed (patched; delayed scaling" in capsys.readouterr().out

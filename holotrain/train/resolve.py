@@ -183,8 +183,14 @@ def resolve_levers(cfg: Config, env: DistEnv, micro: int, accum: int, resumed_ru
     memory.offload_ratio = "auto": the smallest ratio the memory plan fits, agreed by all ranks (the largest of
     their choices), or, when resuming, the run's own choice (the checkpoint's split of optimizer state between
     GPU and host follows it)."""
+    fp8 = _fp8_pays(cfg, env, micro) if cfg.training.fp8 == "auto" else None
+    if fp8 is not None:
+        # Checkpointing is planned with the recipe FP8 will take (on one GPU the delayed one, whose kept transposes
+        # need room), or without FP8: "auto" left in place would plan FP8's smaller activations where it stays off.
+        cfg.training.fp8 = "delayed" if fp8[0] == "tensorwise" and env.world_size == 1 else fp8[0]
     _resolve_checkpointing(cfg, env, micro, accum)
-    _resolve_fp8(cfg, env, micro, accum)
+    if fp8 is not None:
+        _settle_fp8(cfg, env, micro, accum, *fp8)
     mem = cfg.memory
     if mem.offload_ratio != "auto":
         return cfg
@@ -293,15 +299,10 @@ def checkpointing_choice(cfg: Config, env: DistEnv, micro: int, accum: int, **ca
     return chosen
 
 
-def _resolve_fp8(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
-    """training.fp8 = "auto": FP8 where this GPU's FP8 GEMMs, measured at the job's shapes, pay (every rank
-    measures its own GPU; FP8 goes on only if it pays on all), else none; one line says which and why. Where it
-    pays, on one GPU the delayed recipe (its casts fused: the 1.4b trained about 1.05x faster than with tensorwise)
-    if the memory plan fits it (it keeps forward's FP8 transposes), else tensorwise. On several GPUs tensorwise: FSDP2
-    all-gathers its weights in FP8, and tensor parallelism has no delayed recipe."""
-    t = cfg.training
-    if t.fp8 != "auto":
-        return
+def _fp8_pays(cfg: Config, env: DistEnv, micro: int) -> tuple[str, str]:
+    """training.fp8 = "auto", before the memory is planned: ("tensorwise", why) where this GPU's FP8 GEMMs, measured
+    at the job's shapes, pay (every rank measures its own GPU; FP8 goes on only if it pays on all), else ("none",
+    why)."""
     reason = fp8_capable(env.device)
     choice = "none"
     if reason is None and cfg.parallel.tp > 1 and cfg.parallel.tp_overlap != "none":
@@ -309,16 +310,26 @@ def _resolve_fp8(cfg: Config, env: DistEnv, micro: int, accum: int) -> None:
     if reason is None:
         with torch.device("meta"):
             model = build(model_args(cfg))
-        choice, reason = choose_fp8(fp8_shapes(model, t.fp8_skip), micro * cfg.data.seq_len, env.device)
+        choice, reason = choose_fp8(fp8_shapes(model, cfg.training.fp8_skip), micro * cfg.data.seq_len, env.device)
     if env.world_size > 1:
         on = torch.tensor([int(choice != "none")], device=env.device)
         dist.all_reduce(on, op=dist.ReduceOp.MIN)
         if choice != "none" and not on.item():
             choice, reason = "none", "FP8 does not pay on another rank's GPU"
+    return choice, reason
+
+
+def _settle_fp8(cfg: Config, env: DistEnv, micro: int, accum: int, choice: str, reason: str) -> None:
+    """training.fp8 = "auto", after the checkpointing: where FP8 pays, on one GPU the delayed recipe (its casts fused:
+    the 1.4b trained about 1.05x faster than with tensorwise) if the memory plan fits it (it keeps forward's FP8
+    transposes), else tensorwise. On several GPUs tensorwise: FSDP2 all-gathers its weights in FP8, and tensor
+    parallelism has no delayed recipe. One line says which and why."""
     if choice == "tensorwise" and env.world_size == 1:
+        with torch.device("meta"):
+            model = build(model_args(cfg))
         choice, why = delayed_if_it_fits(model, cfg, env.device, micro, accum)
         reason = f"{reason}; {why}"
-    t.fp8 = choice
+    cfg.training.fp8 = choice
     if env.is_main:
         print(f"holotrain: training.fp8 = auto -> {choice} ({reason})")
 
