@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from holotrain.data.packing import Packer, balance, sample_arrays
 from holotrain.data.plane import Constructor, LoaderPool, PlaneSpec, SourceStream
 from holotrain.data.sources import SourceConfig, plan_chunks, read_chunk, source_files
 from holotrain.errors import ConfigError
-from tests.conftest import REPO, read_metrics, run_cli, tiny_args
+from tests.conftest import REPO, launch, read_metrics, run_cli, tiny_args
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 
@@ -274,9 +275,11 @@ def plane_reference(tmp_path_factory):
     return tmp
 
 
-def _run_and_kill(args, when, kill) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "holotrain.cli", *args], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _run_and_kill(args, when, kill):
+    """`holotrain <args>`, and kill(proc) once when() holds; its stderr in proc.err (a file)."""
+    err = tempfile.TemporaryFile()
+    proc = launch(["-m", "holotrain.cli", *args], stderr=err)
+    proc.err = err
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if when():
@@ -324,7 +327,7 @@ def test_loader_worker_killed_is_replaced_without_loss_or_duplicates(plane_refer
     proc = _run_and_kill(args, ready, lambda p: killed.extend(w.pid for w in loader_workers(p)[:1]))
     for pid in killed:
         psutil.Process(pid).send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, (proc.err.seek(0), proc.err.read().decode())
     assert killed, "no loader worker found to kill"
     assert _samples(run) == _samples(ref)
     rows = read_metrics(run)
@@ -367,13 +370,11 @@ def test_killed_plane_is_restarted_with_identical_samples(tmp_path):
     """SIGKILL of the data plane's service process mid-run: the trainer's client starts a new plane from the state
     of the last step training took, and the run's samples and losses are those of an uninterrupted run."""
     import signal as _signal
-    import subprocess as _subprocess
-    import sys as _sys
     import time as _time
 
     import psutil
 
-    from tests.conftest import REPO, read_metrics, run_cli, tiny_args
+    from tests.conftest import launch, read_metrics, run_cli, tiny_args
 
     def run_args(run_dir):
         return ["train", *tiny_args(run_dir, **{"training.steps": 24, "checkpoint.every": 0,
@@ -382,8 +383,9 @@ def test_killed_plane_is_restarted_with_identical_samples(tmp_path):
     reference = tmp_path / "reference"
     run_cli(*run_args(reference))
     run_dir = tmp_path / "plane-killed"
-    proc = _subprocess.Popen([_sys.executable, "-m", "holotrain.cli", *run_args(run_dir)], cwd=REPO,
-                             stdout=_subprocess.PIPE, stderr=_subprocess.PIPE, text=True)
+    out_file, err_file = tmp_path / "out", tmp_path / "err"
+    with open(out_file, "wb") as out, open(err_file, "wb") as err:
+        proc = launch(["-m", "holotrain.cli", *run_args(run_dir)], stdout=out, stderr=err)
     metrics, killed = run_dir / "metrics.jsonl", None
     deadline = _time.time() + 300
     while killed is None and _time.time() < deadline and proc.poll() is None:
@@ -394,7 +396,8 @@ def test_killed_plane_is_restarted_with_identical_samples(tmp_path):
             planes[0].send_signal(_signal.SIGKILL)
             killed = len(metrics.read_text().splitlines())
         _time.sleep(0.005)
-    out, err = proc.communicate(timeout=300)
+    proc.wait(timeout=300)
+    out, err = out_file.read_text(), err_file.read_text()
     assert killed is not None and killed < 24, "the run ended before the plane was killed"
     assert proc.returncode == 0, out + err
     assert "restarting it from step" in out
@@ -409,7 +412,7 @@ def test_a_killed_trainer_leaves_no_shared_memory_blocks_behind(tmp_path):
     it (batches prefetched or being handed over, chunks in flight); a plane killed as well is swept by the next
     run's plane when it starts."""
     from holotrain.data.plane import shm_prefix
-    from tests.conftest import REPO, run_cli, tiny_args
+    from tests.conftest import launch, run_cli, tiny_args
 
     shm = Path("/dev/shm")
     if not shm.is_dir():
@@ -417,8 +420,7 @@ def test_a_killed_trainer_leaves_no_shared_memory_blocks_behind(tmp_path):
     run_dir = tmp_path / "killed"
     args = ["train", *tiny_args(run_dir, **{"training.steps": 40, "checkpoint.every": 10})]
     prefix = shm_prefix(run_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "holotrain.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = launch(["-m", "holotrain.cli", *args])
     metrics, seen, deadline = run_dir / "metrics.jsonl", 0, time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         seen = max(seen, len(list(shm.glob(f"{prefix}*"))))  # the plane's blocks carry the run's prefix

@@ -8,16 +8,11 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_cli, tiny_args
+from tests.conftest import REPO, read_metrics, run, run_cli, tiny_args, torchrun_argv
 
 
 def torchrun(nproc: int, *args, env=None, ok=True) -> str:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "holotrain.cli", *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    proc = run(torchrun_argv(nproc, "-m", "holotrain.cli", *args), {"OMP_NUM_THREADS": "1", **(env or {})})
     if (proc.returncode == 0) != ok:
         # Keep the ranks' own output (torchrun's summary alone does not say why a rank died).
         raise AssertionError(f"torchrun exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n"

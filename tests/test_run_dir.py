@@ -13,12 +13,11 @@ import pytest
 
 from holotrain.errors import ConfigError
 from holotrain.train.rundir import RunDirLock, check_ownership, differences
-from tests.conftest import REPO, run_cli_here, tiny_args
+from tests.conftest import REPO, run, run_cli_here, tiny_args
 
 
 def _cli(*args, cwd, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "holotrain.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return run(["-m", "holotrain.cli", *args], {"PYTHONPATH": str(REPO)}, timeout, cwd)
 
 
 def _hashes(run_dir: Path) -> dict[str, str]:
