@@ -4,9 +4,9 @@ of which it holds E / world; outputs and the gradients of the tokens and of its 
 computation done with every expert on every rank.
 
 Then a Qwen3-MoE model through the parallel lever (experts split by parallel.ep, FSDP2 over the rest) and the
-trainer's AdamW with clipping, over 20 steps of packed documents (tests/families_worker.py's batches), against one
+trainer's AdamW with clipping, over 8 steps of packed documents (tests/families_worker.py's batches), against one
 process training on every replica's rows: ep=2 on 2 ranks; ep=4 and dp=2 x ep=2 on 4, with the first step's
-gradients compared too. On 4 ranks a checkpoint written at step 10 by dp=2 x ep=2 resumes at ep=4 and at ep=1."""
+gradients compared too. On 4 ranks a checkpoint written at step 4 by dp=2 x ep=2 resumes at ep=4 and at ep=1."""
 
 import copy
 import sys
@@ -28,7 +28,7 @@ from holotrain.parallel.teardown import destroy_process_groups  # noqa: E402
 from holotrain.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from tests.families_worker import SHAPE, batch, micro_batches  # noqa: E402
 
-STEPS, SAVED_AT, LR = 20, 10, 1e-3
+STEPS, SAVED_AT, LR = 8, 4, 1e-3
 # eps 1e-6: with 1e-8, AdamW's division by the root of tiny second moments lifts the rounding of a different
 # reduction order to 4e-5 in the loss by step 20 under plain FSDP2 at dp=4 as much as under expert parallelism.
 HYPER = AdamWHyper(betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, clip=1.0)

@@ -33,9 +33,9 @@ from holotrain.parallel.tp import apply_tp  # noqa: E402
 T, MICRO = 32, 1  # tokens per row, rows per micro-batch
 MAX_NORM = 0.5  # below the gradients' norm: the clipping on the last step is active
 
-# (pp, tp, cp) -> optimizer steps: 20 at pp=4 and at pp=2 x dp=2 (on 4 ranks, dp is what pp, tp and cp leave), 5 for
+# (pp, tp, cp) -> optimizer steps: 8 at pp=4 and at pp=2 x dp=2 (on 4 ranks, dp is what pp, tp and cp leave), 5 for
 # the layouts that split each stage further (pp=2 x tp=2, pp=2 x cp=2).
-STEPS = {(4, 1, 1): 20, (2, 1, 1): 20, (2, 2, 1): 5, (2, 1, 2): 5}
+STEPS = {(4, 1, 1): 8, (2, 1, 1): 8, (2, 2, 1): 5, (2, 1, 2): 5}
 N_MICRO = 4  # micro-batches per step
 
 

@@ -13,9 +13,9 @@ from tests.conftest import run_worker
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_expert_parallel_equals_one_process(ranks):
     """tests/ep_worker.py: the exchange (uneven counts, an empty expert) gives one process's outputs and gradients;
-    a Qwen3-MoE model with the trainer's AdamW and clipping gives one process's losses over 20 steps of packed
+    a Qwen3-MoE model with the trainer's AdamW and clipping gives one process's losses over 8 steps of packed
     documents and its first gradients at ep=2 (2 ranks), ep=4 and dp=2 x ep=2 (4 ranks), and the dp=2 x ep=2
-    checkpoint of step 10 resumes at ep=4 and ep=1 with the same losses."""
+    checkpoint of step 4 resumes at ep=4 and ep=1 with the same losses."""
     run_worker("ep_worker.py", ranks, f"EP OK world={ranks}")
 
 

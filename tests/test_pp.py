@@ -26,7 +26,7 @@ from tests.conftest import run_worker
 @pytest.mark.slow
 def test_every_schedule_at_pp4_and_pp2_beside_dp_tp_or_cp_trains_as_one_process():
     """One torchrun launch of 4 gloo ranks: 1f1b, interleaved, zb1p and zbv at pp=4 and at pp=2 x dp=2 with FSDP2
-    (20 steps each), at pp=2 x tp=2 and at pp=2 x cp=2 (ring) (5 steps each), on packed documents with masked
+    (8 steps each), at pp=2 x tp=2 and at pp=2 x cp=2 (ring) (5 steps each), on packed documents with masked
     targets: losses, gradient norms, gradients and weights equal one process's with gradient accumulation over the
     same micro-batches (fp32)."""
     out = run_worker("pp_worker.py", 4, "PP WORKER OK")
