@@ -104,10 +104,6 @@ class Launched:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def close(self) -> None:
-        """Ends the request: a child still running is SIGKILLed by the server."""
-        self._conn.close()
-
 
 def client(argv: list[str]) -> None:
     """Has the server fork `python <argv>` here (this process's environment, working directory and stdio), passes
