@@ -3,10 +3,10 @@
 train + peer: holotrain's tokens/s, TFLOP/s and MFU by active parameters (the median of the logged rows after the
 first, which holds compilation) with the levers the planner chose, each transformers peer's (bench/moe_peer.py,
 per experts implementation and precision), and holotrain over the fastest peer (targets: >= 1.5x, >= 300 TFLOP/s).
-balance: for the auxiliary-loss-free runs (the sigmoid router's bias solved after each step, "solve", or moved by
-the sign rule, "sigmoid"; a bias solved within each forward on the softmax router, "batch", or the sigmoid,
-"sigbatch") and the auxiliary-loss run, the largest max/mean expert load over the layers and the logged rows after step 100 (target
-<= 1.25), and each auxiliary-loss-free run's final loss (the mean of the last 50 steps' rows) over the auxiliary-loss
+balance: for the auxiliary-loss-free runs (a bias solved within each forward on the softmax router, "batch", the
+config as shipped, or on the sigmoid, "sigbatch"; the sigmoid router's bias solved after each step, "solve", or moved
+by the sign rule, "sigmoid"), the router with no balancing ("none") and the auxiliary-loss run, the largest max/mean
+expert load over the layers and the logged rows after step 100 (target <= 1.25), and each auxiliary-loss-free run's final loss (the mean of the last 50 steps' rows) over the auxiliary-loss
 run's (target within 1%)."""
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 
 BALANCE_AFTER = 100
 LAST_STEPS = 50
+# bench/gpu/models.sh's balance runs; "aux" is the reference, "none" (no balancing) shows what balance costs.
+BALANCE_RUNS = ("batch", "sigbatch", "solve", "sigmoid", "none", "aux")
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -115,7 +117,7 @@ def main(out: Path) -> None:
     if train and best:
         print(f"holotrain / fastest peer ({best['name']}): {train['tokens_per_s'] / best['tokens_per_s']:.2f}x "
               "tokens/s (target >= 1.5x; the peer on random tokens over the full causal square)")
-    runs = {name: balance_figures(out / f"balance-{name}.jsonl") for name in ("solve", "sigmoid", "batch", "sigbatch", "aux")}
+    runs = {name: balance_figures(out / f"balance-{name}.jsonl") for name in BALANCE_RUNS}
     for name, b in runs.items():
         if not b:
             continue
@@ -131,9 +133,9 @@ def main(out: Path) -> None:
             print(f"balance {name}: {b['tokens_per_s']:,.0f} tokens/s (the median of the rows after step "
                   f"{BALANCE_AFTER})")
     aux = runs["aux"]
-    for name in ("solve", "sigmoid", "batch", "sigbatch"):
+    for name in BALANCE_RUNS:
         sig = runs[name]
-        if sig and aux and sig["final_loss"] and aux["final_loss"]:
+        if name != "aux" and sig and aux and sig["final_loss"] and aux["final_loss"]:
             print(f"balance: {name} loss / auxiliary-loss run's: {sig['final_loss'] / aux['final_loss']:.4f} "
                   f"({sig['final_loss'] / aux['final_loss'] - 1:+.2%}; target within 1%)")
 

@@ -38,13 +38,18 @@ def test_sigmoid_qwen3_moe_builds_and_export_refuses_it():
 
 @pytest.mark.parametrize("name,overrides,layers,router", [
     ("qwen3-30b-a3b", [], 10, "softmax"),
-    ("moe-balance", [], 12, "sigmoid"),
-    ("moe-balance", ["--model.router=softmax", "--model.moe_aux_loss_coef=0.01"], 12, "softmax"),
+    ("moe-balance", [], 12, ("softmax", True, "batch")),
+    ("moe-balance", ["--model.router_bias=false", "--model.moe_aux_loss_coef=0.01"], 12, ("softmax", False, "batch")),
+    ("moe-balance", ["--model.router=sigmoid", "--model.router_bias_update=solve"], 12, ("sigmoid", True, "solve")),
 ])
 def test_moe_configs_load_and_resolve(name, overrides, layers, router):
     cfg = resolve(load_config(name, overrides), tokenizer_vocab=32000)
     args = model_args(cfg.model)
-    assert (args.family, args.n_layers, args.router) == ("qwen3_moe", layers, router)
+    assert (args.family, args.n_layers) == ("qwen3_moe", layers)
+    if isinstance(router, str):
+        assert args.router == router
+    else:  # the router, whether its choice has the balancing bias (the sigmoid always has), and how that moves
+        assert (args.router, args.router == "sigmoid" or args.router_bias, args.router_bias_update) == router
     if name == "qwen3-30b-a3b":  # Qwen3-30B-A3B's layer shape
         assert (args.dim, args.n_heads, args.n_kv_heads, args.head_dim) == (2048, 32, 4, 128)
         assert (args.n_experts, args.n_active_experts, args.moe_ffn_dim, args.vocab_size) == (128, 8, 768, 151936)

@@ -96,12 +96,12 @@ part_eval() {
 #            eager:autocast"), each capped at PEER_CAP (150) s; batched_mm is left out (it gathers every token copy's
 #            expert weights: hundreds of GB a layer at this shape)
 #   balance  moe-balance (12 layers of d 1024, 64 experts, top 8) on the embedded corpus, its 300 steps once per
-#            BALANCE entry (default "batch aux"): "batch", the softmax router balanced by a bias solved within each
-#            training forward (model.router_bias = true, router_bias_update = "batch"); "aux", the softmax router with
-#            model.moe_aux_loss_coef = 0.01; "sigbatch", the sigmoid router (the config's) with the in-forward bias;
-#            "solve", the sigmoid router's bias solved after each step from its scores; "sigmoid", the sign rule
-#            (BIAS_RATE sets model.router_bias_rate). BALANCE_BATCH sets the sequences a step (micro-batches of 16:
-#            the floor of a one-step-late bias falls with the documents a step holds, bench/balance_floor.py);
+#            BALANCE entry (default "batch aux"): "batch", the config as shipped (the softmax router balanced by a
+#            bias solved within each training forward); "aux", the softmax router with model.moe_aux_loss_coef = 0.01
+#            and no bias; "none", the softmax router with neither; "sigbatch", the sigmoid router with the in-forward
+#            bias; "solve", the sigmoid router's bias solved after each step from its scores; "sigmoid", the sign
+#            rule (BIAS_RATE sets model.router_bias_rate). BALANCE_BATCH sets the sequences a step (micro-batches of
+#            16: the floor of a one-step-late bias falls with the documents a step holds, bench/balance_floor.py);
 #            BALANCE_CAP: seconds a run may take (240)
 # Summary: bench/moe_summary.py OUT_DIR.
 part_moe() {
@@ -134,10 +134,11 @@ part_moe() {
           done ;;
     balance) for run in ${BALANCE:-batch aux}; do
                local extra=(${BIAS_RATE:+--model.router_bias_rate=$BIAS_RATE})
-               [ $run = solve ] && extra=(--model.router_bias_update=solve)
-               [ $run = aux ] && extra=(--model.router=softmax --model.moe_aux_loss_coef=0.01)
-               [ $run = batch ] && extra=(--model.router=softmax --model.router_bias=true --model.router_bias_update=batch)
-               [ $run = sigbatch ] && extra=(--model.router_bias_update=batch)
+               [ $run = solve ] && extra=(--model.router=sigmoid --model.router_bias_update=solve)
+               [ $run = sigmoid ] && extra+=(--model.router=sigmoid --model.router_bias_update=sign)
+               [ $run = aux ] && extra=(--model.router_bias=false --model.moe_aux_loss_coef=0.01)
+               [ $run = none ] && extra=(--model.router_bias=false)
+               [ $run = sigbatch ] && extra=(--model.router=sigmoid)
                [ -n "${BALANCE_BATCH:-}" ] && extra+=(--training.batch_size="$BALANCE_BATCH" --training.micro_batch_size=16)
                logged "balance $run" "$out/balance-$run.log" "${BALANCE_CAP:-240}" python3 -m holotrain.cli train --config moe-balance \
                  --job.run_dir=/tmp/moe-balance-$run "${extra[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"
