@@ -51,7 +51,7 @@ class Generator:
     @torch.no_grad()
     def continue_ids(self, ids: list[int], sampling: Sampling) -> list[int]:
         """The new token ids after `ids` (stop token excluded)."""
-        from holotrain.model.decoder import KVCache
+        from holotrain.model.kvcache import KVCache, TokenSteps, graphable
 
         sampling.check()
         model, limit = self.model, self.model.args.max_seq_len
@@ -64,15 +64,18 @@ class Generator:
         cache = KVCache(model.args, batch=1, length=len(ids) + budget, device=self.device,
                         dtype=next(model.parameters()).dtype)
         logits = model.decode(torch.tensor([ids], device=self.device), cache)
+        steps = TokenSteps(model, cache, graph=graphable(model))
         out: list[int] = []
         for _ in range(budget):
-            token = pick(logits[0, -1].float().cpu(), sampling, rng)
+            token = pick(logits[0, -1], sampling, rng)
             if token in self.stop_ids:
                 break
             out.append(token)
             if len(out) == budget:
                 break
-            logits = model.decode(torch.tensor([[token]], device=self.device), cache)
+            logits = steps.step(torch.tensor([[token]], device=self.device))
+        if steps.fallback:
+            print(f"holotrain: generate: {steps.fallback}", flush=True)
         return out
 
     def encode(self, prompt: str, chat: bool = False, messages: list[dict] | None = None,
@@ -96,11 +99,12 @@ class Generator:
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, rng: torch.Generator) -> int:
-    """The next token from one position's logits [V]: the argmax at temperature 0, else a sample after top-k and
-    top-p filtering of the tempered distribution."""
+    """The next token from one position's logits [V] (on any device): the argmax at temperature 0 (taken where the
+    logits are), else a sample after top-k and top-p filtering of the tempered distribution (on the host, whose
+    generator the seed sets)."""
     if sampling.temperature == 0:
         return int(logits.argmax())
-    logits = logits / sampling.temperature
+    logits = logits.float().cpu() / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.numel():
         kth = logits.topk(sampling.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

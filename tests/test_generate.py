@@ -27,6 +27,43 @@ def test_greedy_decoding_with_the_cache_equals_transformers(kind, tmp_path):
         for _ in range(8):
             ids.append(int(gen.model(torch.tensor([ids]))[0, -1].argmax()))
     assert ids[40:] == new[:8]
+    # A step with its position on the device (what a CUDA graph of the step captures: the whole cache attended under
+    # the mask, the keys and values written at that position) gives the counted step's logits, past the window too.
+    from holotrain.model.kvcache import KVCache
+
+    counted, positioned = (KVCache(gen.model.args, 1, 80, torch.device("cpu"), torch.float32) for _ in range(2))
+    with torch.no_grad():
+        for cache in (counted, positioned):
+            gen.model.decode(torch.tensor([PROMPT]), cache)
+        for token in new[:39]:
+            want = gen.model.decode(torch.tensor([[token]]), counted)
+            got = gen.model.decode(torch.tensor([[token]]), positioned, position=torch.tensor(positioned.length))
+            positioned.length += 1
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (token, (got - want).abs().max())
+    assert counted.length == positioned.length == 79
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_steps_replayed_from_a_cuda_graph_equal_the_eager_steps(tmp_path):
+    from holotrain.generate import Sampling, load
+    from holotrain.model.kvcache import KVCache, TokenSteps, graphable
+
+    make_hf_model(tmp_path, "mistral")
+    gen = load(tmp_path, device="cuda")
+    gen.stop_ids = []
+    assert graphable(gen.model)
+    runs = []
+    for graph in (False, True):
+        cache = KVCache(gen.model.args, 2, 64, torch.device("cuda"), next(gen.model.parameters()).dtype)
+        prompt = torch.tensor([PROMPT[:20], PROMPT[20:]], device="cuda")
+        logits, steps, tokens = gen.model.decode(prompt, cache), TokenSteps(gen.model, cache, graph=graph), []
+        for _ in range(40):
+            tokens.append(logits[:, -1].float().argmax(-1))
+            logits = steps.step(tokens[-1][:, None])
+        assert not steps.fallback and (steps.graph is not None) == graph
+        runs.append(torch.stack(tokens, 1).tolist())
+    assert runs[0] == runs[1]
+    assert gen.continue_ids(PROMPT, Sampling(max_new_tokens=30)) == gen.continue_ids(PROMPT, Sampling(max_new_tokens=30))
 
 
 def test_sampling_is_seeded_filtered_and_stops(tmp_path):

@@ -19,6 +19,7 @@ from torch import nn
 from holotrain.errors import ConfigError
 from holotrain.model.args import ModelArgs
 from holotrain.model.head import fused_linear_cross_entropy, piece as head_piece
+from holotrain.model.kvcache import KVCache
 from holotrain.model.moe import MoE
 from holotrain.model.parts import Attention, Block, FeedForward, RMSNorm, attention_mask, doc_positions
 from holotrain.model.rope import rope_tables
@@ -278,19 +279,30 @@ class Decoder(nn.Module):
         return loss if weight is None else loss * weight
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, cache: KVCache, position: torch.Tensor | None = None) -> torch.Tensor:
         """Generation: the logits [B, 1, V] of the last of `tokens` [B, n], which continue the positions `cache`
-        holds (the prompt at first, then one token at a time); their keys and values join the cache."""
-        start, n = cache.length, tokens.shape[1]
-        cos, sin = self.rope_cos[start:start + n], self.rope_sin[start:start + n]
-        query, key = torch.arange(start, start + n, device=tokens.device), torch.arange(start + n, device=tokens.device)
+        holds (the prompt at first, then one token at a time); their keys and values join the cache. `position`:
+        None, the cache's own count (attending over the positions filled; the cache advances), or a device tensor []
+        where `tokens` start (attending over the whole cache under the mask: the same shapes at every position, as a
+        CUDA graph of the step needs, kvcache.TokenSteps; the caller advances the cache)."""
+        n, device = tokens.shape[1], tokens.device
+        if position is None:
+            start = cache.length
+            query, key = torch.arange(start, start + n, device=device), torch.arange(start + n, device=device)
+            cos, sin = self.rope_cos[start:start + n], self.rope_sin[start:start + n]
+        else:
+            query, key = position + torch.arange(n, device=device), torch.arange(cache.capacity, device=device)
+            cos, sin = self.rope_cos[query], self.rope_sin[query]
+            cache.writing = query
         mask = key[None, :] <= query[:, None]
         if self.args.sliding_window:
             mask &= query[:, None] - key[None, :] < self.args.sliding_window
         h = self.tok_embeddings(tokens).to(self.output.weight.dtype)
         for i, block in enumerate(self.layers.values()):
             h = block(h, cos, sin, mask[None, None], cache.layers[i])
-        cache.length += n
+        if position is None:
+            cache.length += n
+        cache.writing = None
         return self.output(self.norm(h[:, -1:]))
 
     def _fixed_mask(self, T: int, device: torch.device):
@@ -359,31 +371,6 @@ def dense_block(args: ModelArgs, layer: int = 0) -> Block:
 def build_dense(args: ModelArgs) -> Decoder:
     """The decoder of dense_block: the dense families', and the mixture-of-experts families' (args.n_experts > 0)."""
     return Decoder(args, dense_block)
-
-
-class LayerCache:
-    """One layer's keys and values [B, H_kv, length, D], filled in order by `extend`."""
-
-    def __init__(self, owner: KVCache, k: torch.Tensor, v: torch.Tensor):
-        self.owner, self.k, self.v = owner, k, v
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores these positions' keys and values after those held; returns every position's so far."""
-        start, end = self.owner.length, self.owner.length + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"the KV cache holds {self.k.shape[2]} positions; {end} asked")
-        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
-class KVCache:
-    """Keys and values of every layer for `length` positions of `batch` rows, preallocated (Decoder.decode)."""
-
-    def __init__(self, args: ModelArgs, batch: int, length: int, device: torch.device, dtype: torch.dtype):
-        shape = (batch, args.n_kv_heads, length, args.head_dim)
-        self.length = 0  # positions filled
-        self.layers = [LayerCache(self, torch.empty(shape, device=device, dtype=dtype),
-                                  torch.empty(shape, device=device, dtype=dtype)) for _ in range(args.n_layers)]
 
 
 def _copy_drawn(item) -> None:

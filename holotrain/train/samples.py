@@ -26,6 +26,7 @@ class Samples:
                  autocast: bool):
         self.prompts = prompts  # (label, token ids)
         self.tokenizer, self.tokens, self.device, self.autocast = tokenizer, tokens, device, autocast
+        self.said_fallback = False
 
     def __call__(self, model: torch.nn.Module) -> dict:
         """eval.samples: [{"prompt", "text"}] per prompt, and time.eval_samples."""
@@ -44,7 +45,7 @@ class Samples:
 
     def _continue(self, model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
         """Each prompt (all of one length) continued greedily by up to `tokens` tokens, within the model's context."""
-        from holotrain.model.decoder import KVCache
+        from holotrain.model.kvcache import KVCache, TokenSteps, graphable
 
         n = len(prompts[0])
         new = min(self.tokens, model.args.max_seq_len - n)
@@ -55,12 +56,16 @@ class Samples:
         drawn = []
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             logits = model.decode(batch, cache)
+            steps = TokenSteps(model, cache, graph=graphable(model))
             for _ in range(new):
                 if hasattr(logits, "full_tensor"):  # a DTensor head
                     logits = logits.full_tensor()
                 drawn.append(logits[:, -1].float().argmax(-1))
                 if len(drawn) < new:
-                    logits = model.decode(drawn[-1][:, None], cache)
+                    logits = steps.step(drawn[-1][:, None])
+        if steps.fallback and not self.said_fallback:
+            self.said_fallback = True
+            print(f"holotrain: eval samples: {steps.fallback}", flush=True)
         if not drawn:
             return [[] for _ in prompts]
         return torch.stack(drawn, dim=1)[:len(prompts)].tolist()
