@@ -10,6 +10,7 @@ context length. Temperature 0 is greedy decoding; otherwise top-k and top-p (nuc
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +76,7 @@ class Generator:
                 break
             logits = steps.step(torch.tensor([[token]], device=self.device))
         if steps.fallback:
-            print(f"holotrain: generate: {steps.fallback}", flush=True)
+            print(f"holotrain: generate: {steps.fallback}", file=sys.stderr, flush=True)  # stdout: the text only
         return out
 
     def encode(self, prompt: str, chat: bool = False, messages: list[dict] | None = None,
