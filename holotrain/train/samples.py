@@ -6,7 +6,9 @@ model never trained on). Prompts of one length are continued together with a KV 
 holotrain generate's path): one forward of the prompts, then one of a token a row per new token. The batch holds a
 multiple of 16 rows (the prompts, the last repeated), which FP8's GEMMs need of a decode step's single tokens, and the
 drawn tokens stay on the device until the end (no synchronization per token). The forwards run eagerly
-(torch.compile's stance), so no region compiles a graph for these shapes, and without gradients. Under FSDP2 every
+(torch.compile's stance), so no region compiles a graph for these shapes, and without gradients; on one GPU each
+token's step after the first replays a CUDA graph of it (model/kvcache.py), captured at each eval inside its autocast
+region (whose cached bf16 casts of the weights the graph reads). Under FSDP2 every
 rank runs the same forwards and draws the same tokens; under tensor, context or pipeline parallelism no samples are
 drawn.
 """
