@@ -98,8 +98,9 @@ part_eval() {
 #   balance  moe-balance (12 layers of d 1024, 64 experts, top 8) on the embedded corpus, its 300 steps once per
 #            BALANCE entry (default "batch aux"): "batch", the config as shipped (the softmax router balanced by a
 #            bias solved within each training forward); "aux", the softmax router with model.moe_aux_loss_coef = 0.01
-#            and no bias; "none", the softmax router with neither; "sigbatch", the sigmoid router with the in-forward
-#            bias; "solve", the sigmoid router's bias solved after each step from its scores; "sigmoid", the sign
+#            and no bias; "none", the softmax router with neither; "batchaux", the shipped bias and that loss
+#            together (balance from the bias, the loss's gradient on the routers); "sigbatch", the sigmoid router with
+#            the in-forward bias; "solve", the sigmoid router's bias solved after each step from its scores; "sigmoid", the sign
 #            rule (BIAS_RATE sets model.router_bias_rate). BALANCE_BATCH sets the sequences a step (micro-batches of
 #            16: the floor of a one-step-late bias falls with the documents a step holds, bench/balance_floor.py);
 #            BALANCE_CAP: seconds a run may take (240)
@@ -138,6 +139,7 @@ part_moe() {
                [ $run = sigmoid ] && extra+=(--model.router=sigmoid --model.router_bias_update=sign)
                [ $run = aux ] && extra=(--model.router_bias=false --model.moe_aux_loss_coef=0.01)
                [ $run = none ] && extra=(--model.router_bias=false)
+               [ $run = batchaux ] && extra=(--model.moe_aux_loss_coef=0.01)
                [ $run = sigbatch ] && extra=(--model.router=sigmoid)
                [ -n "${BALANCE_BATCH:-}" ] && extra+=(--training.batch_size="$BALANCE_BATCH" --training.micro_batch_size=16)
                logged "balance $run" "$out/balance-$run.log" "${BALANCE_CAP:-240}" python3 -m holotrain.cli train --config moe-balance \
