@@ -36,7 +36,7 @@ def watch(every: int, rows: list[dict]) -> None:
     """MoE.record wrapped: the three figures of every `every`-th training forward of each block into `rows`."""
     record, forwards, layer_of = moe.MoE.record, {}, {}
 
-    def watched(self, logits, scores, counts):
+    def watched(self, logits, scores, counts, weights):
         if torch.is_grad_enabled() and self.expert_bias is not None:
             n = forwards[id(self)] = forwards.get(id(self), 0) + 1
             layer = layer_of.setdefault(id(self), len(layer_of))
@@ -50,7 +50,7 @@ def watch(every: int, rows: list[dict]) -> None:
                            "cross": max_over_mean(second, moe.balancing_bias(first, bias, k), k, E)}
                 rows.append(row)
                 print("balance_floor: " + json.dumps(row), flush=True)
-        return record(self, logits, scores, counts)
+        return record(self, logits, scores, counts, weights)
 
     moe.MoE.record = watched
 

@@ -5,7 +5,8 @@ first, which holds compilation) with the levers the planner chose, each transfor
 per experts implementation and precision), and holotrain over the fastest peer (targets: >= 1.5x, >= 300 TFLOP/s).
 balance: for the auxiliary-loss-free runs (a bias solved within each forward on the softmax router, "batch", the
 config as shipped, or on the sigmoid, "sigbatch"; the sigmoid router's bias solved after each step, "solve", or moved
-by the sign rule, "sigmoid"), the shipped bias with the balance loss too ("batchaux"), the router with no balancing
+by the sign rule, "sigmoid"; the shipped bias weighting the chosen experts by the biased logits, "batchw"), the
+shipped bias with the router z-loss ("batchz") or the balance loss ("batchaux") beside it, the router with no balancing
 ("none") and the auxiliary-loss run, the largest max/mean expert load over the layers and the logged rows after step
 100 (target <= 1.25), and each run's final loss (the mean of the last 50 steps' rows) over the auxiliary-loss
 run's (target within 1%)."""
@@ -20,7 +21,7 @@ from pathlib import Path
 BALANCE_AFTER = 100
 LAST_STEPS = 50
 # bench/gpu/models.sh's balance runs; "aux" is the reference, "none" (no balancing) shows what balance costs.
-BALANCE_RUNS = ("batch", "batchaux", "sigbatch", "solve", "sigmoid", "none", "aux")
+BALANCE_RUNS = ("batch", "batchw", "batchz", "batchaux", "sigbatch", "solve", "sigmoid", "none", "aux")
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -89,6 +90,7 @@ def balance_figures(path: Path) -> dict | None:
     return {"steps": last, "tokens_per_s": statistics.median(speeds) if speeds else None, "max_ratio": max(max(x) for x in late) if late else None,
             "median_ratio": statistics.median(max(x) for x in late) if late else None,
             "final_loss": statistics.mean(losses) if losses else None,
+            "top_gate": median_of([r for r in rows if r["step"] > BALANCE_AFTER], "moe.top_gate"),
             "moe_keys": sorted({k for r in rows for k in r if k.startswith("moe.")})}
 
 
@@ -130,6 +132,9 @@ def main(out: Path) -> None:
                   f"median row's worst layer {b['median_ratio']:.3f} (target <= 1.25)")
         if b["final_loss"] is not None:
             print(f"balance {name}: loss over the last {LAST_STEPS} of {b['steps']} steps {b['final_loss']:.4f}")
+        if b["top_gate"] is not None:
+            print(f"balance {name}: a token's largest weight over its k weights' sum {b['top_gate']:.3f} (median "
+                  f"after step {BALANCE_AFTER}; 1/k when they count alike)")
         if b["tokens_per_s"]:
             print(f"balance {name}: {b['tokens_per_s']:,.0f} tokens/s (the median of the rows after step "
                   f"{BALANCE_AFTER})")

@@ -234,6 +234,36 @@ def test_batch_bias_balances_each_training_forward_of_a_softmax_router():
     assert max_over_mean() > 3
 
 
+def test_biased_weights_weight_the_balanced_choice():
+    """model.router_bias_weights: the experts the balancing bias chose are weighted by the softmax of the biased
+    logits (over the k, with norm_topk_prob), so an expert the bias sent a token to counts in its output as the
+    choice says; moe.top_gate (a token's largest weight over its k weights' sum) shows the difference. Only the
+    softmax router with its bias takes the switch (one line otherwise)."""
+    from holotrain.model.moe import MoE, moe_problem
+    from holotrain.model.registry import preset
+
+    args = dataclasses.replace(preset("qwen3_moe", "tiny"), family="qwen3_moe", dim=32, n_experts=16,
+                               n_active_experts=4, moe_ffn_dim=8, router_bias=True, router_bias_update="batch")
+    assert args.norm_topk_prob
+    x = torch.randn(32) + 0.3 * torch.randn(512, 32)  # every token wants the same few experts
+    gates = {}
+    for biased in (False, True):
+        torch.manual_seed(0)
+        moe = MoE(dataclasses.replace(args, router_bias_weights=biased))
+        for w in (moe.router.weight, moe.w1, moe.w3, moe.w2):
+            torch.nn.init.normal_(w, std=0.1)
+        moe.reset_buffers()
+        weights, experts, logits, _ = moe.route(x)
+        if biased:
+            want = (logits.float() + moe.last_bias).softmax(-1).gather(-1, experts)
+            torch.testing.assert_close(weights, want / want.sum(-1, keepdim=True))
+        moe(x.clone().requires_grad_())
+        gates[biased] = moe.last_top_gate.item()
+    assert 0.25 <= gates[True] < gates[False] - 0.05  # the forced experts count once weighted by the biased logits
+    assert "model.router_bias_weights" in moe_problem(dataclasses.replace(args, router="sigmoid",
+                                                                          router_bias_weights=True))
+
+
 def test_batch_bias_is_kept_after_the_step_for_evaluation():
     """After a step, each block's bias is its last training forward's solution, and evaluation (in grad mode, as
     training's forwards) then routes with it; the logged row has the bias's spread."""

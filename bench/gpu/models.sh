@@ -99,7 +99,9 @@ part_eval() {
 #            BALANCE entry (default "batch aux"): "batch", the config as shipped (the softmax router balanced by a
 #            bias solved within each training forward); "aux", the softmax router with model.moe_aux_loss_coef = 0.01
 #            and no bias; "none", the softmax router with neither; "batchaux", the shipped bias and that loss
-#            together (balance from the bias, the loss's gradient on the routers); "sigbatch", the sigmoid router with
+#            together (balance from the bias, the loss's gradient on the routers); "batchw", the shipped bias with
+#            the chosen experts weighted by the biased logits' softmax (model.router_bias_weights); "batchz", the
+#            shipped bias with the router z-loss at 1e-3; "sigbatch", the sigmoid router with
 #            the in-forward bias; "solve", the sigmoid router's bias solved after each step from its scores; "sigmoid", the sign
 #            rule (BIAS_RATE sets model.router_bias_rate). BALANCE_BATCH sets the sequences a step (micro-batches of
 #            16: the floor of a one-step-late bias falls with the documents a step holds, bench/balance_floor.py);
@@ -140,6 +142,8 @@ part_moe() {
                [ $run = aux ] && extra=(--model.router_bias=false --model.moe_aux_loss_coef=0.01)
                [ $run = none ] && extra=(--model.router_bias=false)
                [ $run = batchaux ] && extra=(--model.moe_aux_loss_coef=0.01)
+               [ $run = batchw ] && extra=(--model.router_bias_weights=true)
+               [ $run = batchz ] && extra=(--model.router_z_loss_coef=0.001)
                [ $run = sigbatch ] && extra=(--model.router=sigmoid)
                [ -n "${BALANCE_BATCH:-}" ] && extra+=(--training.batch_size="$BALANCE_BATCH" --training.micro_batch_size=16)
                logged "balance $run" "$out/balance-$run.log" "${BALANCE_CAP:-240}" python3 -m holotrain.cli train --config moe-balance \

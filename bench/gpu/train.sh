@@ -240,10 +240,11 @@ PY
 }
 
 # A change to the trainer's FP8 job, before and after, in one call: `holotrain train --config 1.4b
-# --training.fp8=tensorwise` from this checkout ("new", logging dynamo's recompilations) and from an older one
-# (OLD_DIR, holding its holotrain/: "old"), then the compile + torchao float8 peer (bench/peers.py, random tokens,
-# causal attention). First used for the row split of masked micro-batches (bbbf6b0, reverted).
-# Default: 100 steps; ORDER: the runs, space-separated, among old new peer bf16 (default: "new old peer").
+# --training.fp8=RECIPE` (default tensorwise) from this checkout ("new", logging dynamo's recompilations; "new0" the
+# same with evaluation off) and from an older one (OLD_DIR, holding its holotrain/: "old", on a corpus cache of its
+# own), then the compile + torchao float8 peer (bench/peers.py, random tokens, causal attention). First used for the
+# row split of masked micro-batches (bbbf6b0, reverted).
+# Default: 100 steps; ORDER: the runs, space-separated, among old new new0 peer bf16 (default: "new old peer").
 part_rows() {
   local old steps=${2:-100} order=${3:-new old peer}
   old=$(realpath "${1:?older checkout}"); out=$(realpath "$out")
@@ -258,17 +259,19 @@ part_rows() {
     echo "== $name: rc $? in $(( SECONDS - s )) s; recompilations logged: $(grep -c 'Recompiling function' "$out/$name.log")"
     keep_metrics /tmp/rows-$name "$name"
   }
+  local recipe=${RECIPE:-tensorwise}
   for name in $order; do
     case $name in
-      new) TORCH_LOGS=recompiles rows_train new . --training.fp8=tensorwise ;;
-      old) rows_train old "$old" --training.fp8=tensorwise ;;
+      new) TORCH_LOGS=recompiles rows_train new . --training.fp8="$recipe" ;;
+      new0) rows_train new0 . --training.fp8="$recipe" --eval.every=0 ;;
+      old) HOLOTRAIN_CACHE=/tmp/holotrain-cache-old rows_train old "$old" --training.fp8="$recipe" ;;
       bf16) rows_train bf16 . ;;
       peer) timeout 290 python3 bench/peers.py --preset 1.4b --seq-len 2048 --batch 8 --variants compile-float8 \
               --out "$out/peers.json" > "$out/peers.log" 2>&1; echo "== peer rc $?" ;;
     esac
   done
   python3 - "$out" <<'PY'
-import json, sys
+import json, statistics, sys
 from pathlib import Path
 sys.path.insert(0, "bench")
 from checkpoint_summary import rows, training_rate
@@ -277,11 +280,18 @@ peers = json.loads((out / "peers.json").read_text())["rows"] if (out / "peers.js
 peer = next((r["tokens_per_s"] for r in peers if r["variant"] == "compile-float8"), None)
 if peer:
     print(f"peer compile-float8: {peer:,.0f} tokens/s")
-for name in ("new", "old", "bf16"):
+for name in ("new", "new0", "old", "bf16"):
     r = rows(out, name)
     if not r:
         continue
     rate, last = training_rate(r, 20), r[-1]
+    mid = statistics.median(x["tokens_per_s"] for x in r if x["step"] > 20)  # an interval holding an eval is slower
+    print(f"{name}: median logged interval after step 20 {mid:,.0f} tokens/s"
+          + (f" = {mid / peer:.3f}x the peer" if peer else "")
+          + "; forward / backward ms (median) "
+          + " / ".join(f"{statistics.median(x[k] for x in r if x['step'] > 20 and x.get(k)) * 1e3:.1f}"
+                       for k in ("time.forward", "time.backward") if any(x.get(k) for x in r))
+          + f"; host.gc_s {[round(x.get('host.gc_s') or 0, 3) for x in r]}")
     print(f"{name}: {rate:,.0f} tokens/s over steps 21-{last['step']}" + (f" = {rate / peer:.3f}x the peer" if peer else "")
           + f"; MFU {last['mfu']:.3f}; run J per 1k tokens {last['energy.run_j_per_token'] * 1e3:.2f}; "
           f"peak {max(x['mem.peak_gb'] for x in r):.1f} GB; masked micro-batches {last['data.doc_masked_share']:.2f}; "

@@ -41,7 +41,8 @@ class ModelArgs:
     # "softmax" (probabilities over all experts, their top k; norm_topk_prob renormalizes the k weights to sum to 1)
     # or "sigmoid" (DeepSeek-V3: independent scores, the top k chosen by score + a per-expert bias that balances the
     # load without a loss, weighted by the scores). router_bias: a softmax router chooses by its logits + such a bias
-    # too (the weights still the softmax's). router_bias_update: how that bias moves ("sign", "solve" after each
+    # too (the weights still the softmax's, or with router_bias_weights the softmax of the biased logits: the
+    # balanced choice weighted as chosen). router_bias_update: how that bias moves ("sign", "solve" after each
     # step by the trainer; "batch": solved within each training forward, model/moe.py). Blocks
     # (i + 1) % moe_every == 0 and not in dense_layers are MoE (Hugging Face's decoder_sparse_step and
     # mlp_only_layers); the others keep the dense ffn_dim.
@@ -54,6 +55,7 @@ class ModelArgs:
     router: str = "softmax"
     router_bias: bool = False
     router_bias_update: str = "sign"
+    router_bias_weights: bool = False
     norm_topk_prob: bool = False
     moe_every: int = 1
     dense_layers: tuple = ()

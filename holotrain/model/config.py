@@ -47,6 +47,9 @@ class ModelConfig(Section):
     router: str = ""
     # A softmax router also chooses by its logits + a per-expert balancing bias (the sigmoid router always has one).
     router_bias: bool = False
+    # ... and weights the chosen experts by the softmax of those biased logits (by default the unbiased softmax's, as
+    # DeepSeek-V3 weights by its unbiased scores): the balanced choice then shapes the block's output too.
+    router_bias_weights: bool = False
     norm_topk_prob: bool = False
     moe_every: int = 0
     dense_layers: list = field(default_factory=list)

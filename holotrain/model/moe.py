@@ -12,7 +12,8 @@ The steps are separate methods, so that expert parallelism (parallel/ep.py) can 
     unpermute    the outputs back in token order, weighted and summed over each token's k experts
 
 Each forward keeps what later metrics and the router-bias update read: `last_load` [E] (token copies per expert,
-detached), `last_aux` [2] (the load-balancing and z-loss values, detached), `last_scores` (with
+detached), `last_aux` [2] (the load-balancing and z-loss values, detached), `last_entropy` and `last_top_gate` (the
+mean routing entropy and the mean share of a token's largest weight in its k), `last_scores` (with
 router_bias_update "solve": up to SOLVE_ROWS rows of the scores the bias is added to, of a training forward,
 detached), `last_bias` (with "batch": the bias that forward solved), and `aux_loss`, the weighted auxiliary term with its graph (when a coefficient is > 0), which the decoder's loss takes into the training gradient
 (decoder.Decoder.loss) and clears. Expert weights are stacked 3-D parameters, w1 (gate) and w3 (up) [E, F, D] and
@@ -54,6 +55,9 @@ def moe_problem(args: ModelArgs) -> str | None:
         return f"model.shared_ffn_dim must be >= 0 (0: no shared experts), got {args.shared_ffn_dim}"
     if args.router not in ROUTERS:
         return f"model.router must be one of {', '.join(ROUTERS)}, got {args.router!r}"
+    if args.router_bias_weights and not (args.router == "softmax" and args.router_bias):
+        return ("model.router_bias_weights = true needs the softmax router with its balancing bias "
+                "(model.router = 'softmax', model.router_bias = true)")
     if args.moe_every < 1:
         return f"model.moe_every must be >= 1, got {args.moe_every}"
     if any(not 0 <= i < args.n_layers for i in args.dense_layers):
@@ -188,6 +192,7 @@ class MoE(nn.Module):
         else:
             self.expert_bias = None
         self.bias_update = args.router_bias_update
+        self.bias_weights = args.router_bias_weights
         if self.expert_bias is not None and self.bias_update == "batch":
             # Whether a grad-mode forward chooses with the bias it solves on its tokens (a training forward), or with
             # expert_bias (an evaluation: it runs in grad mode too, to reuse training's compiled graphs). A tensor,
@@ -202,6 +207,7 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor | None = None
         self.last_aux: torch.Tensor | None = None
         self.last_entropy: torch.Tensor | None = None
+        self.last_top_gate: torch.Tensor | None = None
         self.last_scores: torch.Tensor | None = None
         self.last_bias: torch.Tensor | None = None  # the bias a "batch" forward solved and chose with
         self.aux_loss: torch.Tensor | None = None
@@ -216,14 +222,14 @@ class MoE(nn.Module):
         out = self.unpermute(self.run_experts(rows, counts), order, weights.view(*shape[:-1], self.top_k))
         if self.shared is not None:
             out = out + self.shared(x).view(shape)
-        self.record(logits, scores, counts)
+        self.record(logits, scores, counts, weights)
         return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each token's k experts [N, k] and their weights [N, k] (x's dtype), with the router's logits [N, E] and
         scores [N, E] (fp32: softmax probabilities, or sigmoid scores) for the auxiliary losses. With a balancing
         bias the choice is the top k of the scores (a softmax router's logits) + the bias, the weights the scores of
-        the chosen experts."""
+        the chosen experts (router_bias_weights: the softmax of the biased logits)."""
         logits = self.router(x)
         if self.router_kind == "softmax":
             # Mixtral's softmax over the top-k logits is this with norm_topk_prob.
@@ -247,7 +253,10 @@ class MoE(nn.Module):
                     self.last_bias = balancing_bias(sample[::stride], bias, self.top_k, BATCH_ROUNDS)
                     bias = torch.where(self.balancing, self.last_bias, bias)
             experts = (biased + bias).topk(self.top_k, dim=-1).indices
-            weights = scores.gather(-1, experts)
+            if self.bias_weights:  # the balanced choice weighted by the biased logits' softmax
+                weights = (biased + bias).softmax(dim=-1).gather(-1, experts)
+            else:
+                weights = scores.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts, logits, scores
@@ -288,9 +297,9 @@ class MoE(nn.Module):
         with torch.autocast(out.device.type, enabled=False):
             return (copies * weights.unsqueeze(-1).to(out.dtype)).sum(dim=-2, dtype=torch.float32).to(out.dtype)
 
-    def record(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
-        """This forward's load, auxiliary losses and routing entropy (see the module's docstring); nothing of them
-        under no_grad (generation) but the load."""
+    def record(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> None:
+        """This forward's load, auxiliary losses, routing entropy and top gate share (see the module's docstring);
+        nothing of them under no_grad (generation) but the load."""
         self.last_load = counts.detach()
         self.aux_loss = None
         if not torch.is_grad_enabled():
@@ -304,6 +313,10 @@ class MoE(nn.Module):
             # The distribution the balance loss reads: softmax probabilities, or sigmoid scores normalized per token.
             probs = scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)
             self.last_entropy = -torch.xlogy(probs, probs).sum(-1).mean()
+            # The largest of a token's k weights over their sum, averaged over tokens: 1/k when the k experts count
+            # alike in the output, near 1 when one expert makes it (the others chosen but hardly weighted).
+            w = weights.float()
+            self.last_top_gate = (w.max(-1).values / w.sum(-1).clamp(min=1e-30)).mean()
         if weighted:
             self.aux_loss = self.aux_coef * balance + self.z_coef * z
 

@@ -20,8 +20,9 @@ from holotrain.model.moe import balancing_bias
 from holotrain.parallel import DistEnv
 from holotrain.parallel.dims import ParallelDims
 
-# Columns after the E loads: the sums over forwards of the entropy, balance loss and z-loss, and the forwards counted.
-ENTROPY, BALANCE, Z, FORWARDS = range(4)
+# Columns after the E loads: the sums over forwards of the entropy, balance loss, z-loss and top gate share, and the
+# forwards counted.
+ENTROPY, BALANCE, Z, TOP_GATE, FORWARDS = range(5)
 
 
 class Routing:
@@ -37,7 +38,7 @@ class Routing:
         self.n_experts = args.n_experts
         # One row per MoE block of the whole model: loads [E], then the ENTROPY.. FORWARDS columns. This rank fills
         # its stages' rows only.
-        self.sums = torch.zeros(len(self.layers), self.n_experts + 4, dtype=torch.float64, device=env.device)
+        self.sums = torch.zeros(len(self.layers), self.n_experts + FORWARDS + 1, dtype=torch.float64, device=env.device)
         self.held: list[tuple[int, torch.nn.Module]] = []  # (row, MoE module) of this rank's stages
         self._handles = []
         self.taken: list[tuple[int, int, list[torch.Tensor]]] = []  # per stage: its rows lo..hi, this step's forwards'
@@ -93,7 +94,7 @@ class Routing:
         self._reduce()
         E = self.n_experts
         table = self.sums.clone()
-        table[:, E:E + 3] /= table[:, E + FORWARDS:].clamp(min=1)  # sums over forwards and ranks -> means
+        table[:, E:E + FORWARDS] /= table[:, E + FORWARDS:].clamp(min=1)  # sums over forwards and ranks -> means
         for row, moe in self.held:  # the bias's spread, in the forwards column (read no more)
             table[row, E + FORWARDS] = moe.expert_bias.abs().max() if moe.expert_bias is not None else 0.0
         if self.pp_group is not None:
@@ -101,17 +102,19 @@ class Routing:
         values = table.tolist()  # the one host synchronization
         loads = [v[:E] for v in values]
         ratios = [max(load) / (sum(load) / E) if sum(load) else None for load in loads]
-        entropy, balance, z = ([v[E + c] for v in values] for c in (ENTROPY, BALANCE, Z))
+        entropy, balance, z, top_gate = ([v[E + c] for v in values] for c in (ENTROPY, BALANCE, Z, TOP_GATE))
         row = {
             "moe.max_load": max((r for r in ratios if r is not None), default=None),  # the worst block's max / mean
             "moe.router_entropy": _mean(entropy),
             "moe.balance_loss": _mean(balance),
             "moe.z_loss": _mean(z),
+            "moe.top_gate": _mean(top_gate),  # a token's largest weight over its k weights' sum, mean over tokens
             "moe.layers": self.layers,  # the blocks the per-layer lists below are of
             "moe.load_max_over_mean": ratios,
             "moe.router_entropy_by_layer": entropy,
             "moe.balance_loss_by_layer": balance,
             "moe.z_loss_by_layer": z,
+            "moe.top_gate_by_layer": top_gate,
             "moe.tokens_per_expert": [[int(n) for n in load] for load in loads],
         }
         if self.biased:
@@ -162,7 +165,8 @@ class Routing:
             moe.expert_bias.copy_(bias)
 
     def _take(self, forwards: list, moes: list, module, inputs, output) -> None:
-        """A stage's forward hook: its blocks' figures of this micro-batch [blocks, E + 4], kept on the device."""
+        """A stage's forward hook: its blocks' figures of this micro-batch [blocks, E + FORWARDS + 1], kept on the
+        device."""
         if not self.collecting:
             return
         if self.solve and moes[0].last_scores is not None:
@@ -170,10 +174,11 @@ class Routing:
                 self.scores.setdefault(id(moe), []).append(moe.last_scores)
         loads = torch.stack([m.last_load for m in moes]).double()
         if moes[0].last_aux is None:  # recorded in grad mode only, as training's forwards run
-            figures = loads.new_zeros(len(moes), 3)
+            figures = loads.new_zeros(len(moes), FORWARDS)
         else:
             figures = torch.cat([torch.stack([m.last_entropy for m in moes])[:, None],
-                                 torch.stack([m.last_aux for m in moes])], 1).double()
+                                 torch.stack([m.last_aux for m in moes]),
+                                 torch.stack([m.last_top_gate for m in moes])[:, None]], 1).double()
         forwards.append(torch.cat([loads, figures, loads.new_ones(len(moes), 1)], 1))
 
     def _reduce(self) -> None:
