@@ -5,12 +5,12 @@ on synthetic ones), each checked against flex attention's output and gradients.
   python bench/doc_attention.py [--doc-ids FILE.npy] [--batch 8 --seq-len 2048 --heads 16 --head-dim 128]
 
 Kernels: cuDNN's causal kernel without a mask (the speed of an unmasked micro-batch; wrong across documents),
-flex attention with a document BlockMask (default and tuned kernel options, max-autotune), cuDNN's causal
-kernel with an additive bias that blocks attention across documents, and a split by rows: the rows that hold one
-document through cuDNN's causal kernel, the rest through flex. The split times rows already ordered one-document
-rows first (an order the host can give a micro-batch before it is copied to the GPU; the mean loss does not depend
-on it), with the masked group exactly as large as the rows with a boundary, or rounded up to a power of two (at most
-log2(B) + 1 shapes to compile; a one-document row under the document mask is still exact).
+flex attention with a document BlockMask (default and tuned kernel options, Hopper's TMA loads, max-autotune),
+cuDNN's causal kernel with an additive bias that blocks attention across documents, and a split by rows: the rows
+that hold one document through cuDNN's causal kernel, the rest through flex. The split times rows already ordered
+one-document rows first (an order the host can give a micro-batch before it is copied to the GPU; the mean loss does
+not depend on it), with the masked group exactly as large as the rows with a boundary, or rounded up to a power of
+two (at most log2(B) + 1 shapes to compile; a one-document row under the document mask is still exact).
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def main() -> None:
                        ("flex, bwd 64x128/128x64 w8", {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128,
                                                        "BLOCK_N2": 64, "num_warps": 8}),
                        ("flex, bwd 32x128/128x32 w4 s3", {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128,
-                                                          "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3})]:
+                                                          "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3}),
+                       ("flex, TMA loads", {"USE_TMA": True})]:
         kernels[name] = flex(flex_default, opts)
     kernels["flex, max-autotune"] = flex(flex_tuned)
 

@@ -120,7 +120,10 @@ def main(out: Path) -> None:
     if train and best:
         print(f"holotrain / fastest peer ({best['name']}): {train['tokens_per_s'] / best['tokens_per_s']:.2f}x "
               "tokens/s (target >= 1.5x; the peer on random tokens over the full causal square)")
-    runs = {name: balance_figures(out / f"balance-{name}.jsonl") for name in BALANCE_RUNS}
+    # A run named KIND.N is another run of KIND's settings (models.sh: BALANCE="aux aux.2"); each kind's loss is the
+    # mean over its runs.
+    runs = {p.stem[len("balance-"):]: balance_figures(p) for p in sorted(out.glob("balance-*.jsonl"))
+            if p.stem[len("balance-"):].split(".")[0] in BALANCE_RUNS}
     for name, b in runs.items():
         if not b:
             continue
@@ -138,12 +141,15 @@ def main(out: Path) -> None:
         if b["tokens_per_s"]:
             print(f"balance {name}: {b['tokens_per_s']:,.0f} tokens/s (the median of the rows after step "
                   f"{BALANCE_AFTER})")
-    aux = runs["aux"]
-    for name in BALANCE_RUNS:
-        sig = runs[name]
-        if name != "aux" and sig and aux and sig["final_loss"] and aux["final_loss"]:
-            print(f"balance: {name} loss / auxiliary-loss run's: {sig['final_loss'] / aux['final_loss']:.4f} "
-                  f"({sig['final_loss'] / aux['final_loss'] - 1:+.2%}; target within 1%)")
+    losses = {kind: [b["final_loss"] for name, b in runs.items()
+                     if name.split(".")[0] == kind and b and b["final_loss"] is not None] for kind in BALANCE_RUNS}
+    if losses["aux"]:
+        aux = statistics.mean(losses["aux"])
+        for kind in BALANCE_RUNS:
+            if kind != "aux" and losses[kind]:
+                ratio = statistics.mean(losses[kind]) / aux
+                print(f"balance: {kind} loss / auxiliary-loss run's: {ratio:.4f} ({ratio - 1:+.2%}; target within 1%; "
+                      f"means over {len(losses[kind])} and {len(losses['aux'])} runs)")
 
 
 if __name__ == "__main__":

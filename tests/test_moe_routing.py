@@ -82,6 +82,8 @@ def test_rows_carry_the_routing_of_each_step(sigmoid_run):
         assert all(0 < h <= math.log(E) + 1e-6 for h in row["moe.router_entropy_by_layer"])
         assert row["moe.router_entropy"] == pytest.approx(sum(row["moe.router_entropy_by_layer"]) / 2)
         assert all(b > 0.9 for b in row["moe.balance_loss_by_layer"]) and row["moe.z_loss"] > 0
+        assert all(1 / K <= g <= 1 for g in row["moe.top_gate_by_layer"])
+        assert row["moe.top_gate"] == pytest.approx(sum(row["moe.top_gate_by_layer"]) / 2)
     # |bias| grows by at most the rate a step
     assert 0 < rows[-1]["moe.expert_bias_max_abs"] <= 4 * RATE + 1e-6
 

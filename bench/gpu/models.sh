@@ -105,7 +105,8 @@ part_eval() {
 #            the in-forward bias; "solve", the sigmoid router's bias solved after each step from its scores; "sigmoid", the sign
 #            rule (BIAS_RATE sets model.router_bias_rate). BALANCE_BATCH sets the sequences a step (micro-batches of
 #            16: the floor of a one-step-late bias falls with the documents a step holds, bench/balance_floor.py);
-#            BALANCE_CAP: seconds a run may take (240)
+#            BALANCE_CAP: seconds a run may take (240). An entry KIND.N (e.g. "aux.2") is one more run of KIND's
+#            settings, from job.seed N (other initial weights): the summary's loss ratio is then over the runs' means.
 # Summary: bench/moe_summary.py OUT_DIR.
 part_moe() {
   local steps=${1:-40} what=${2:-train peer}
@@ -136,15 +137,16 @@ part_moe() {
             grep "^moe_peer: $impl" "$out/peer-$impl-$precision.log" | tail -3
           done ;;
     balance) for run in ${BALANCE:-batch aux}; do
-               local extra=(${BIAS_RATE:+--model.router_bias_rate=$BIAS_RATE})
-               [ $run = solve ] && extra=(--model.router=sigmoid --model.router_bias_update=solve)
-               [ $run = sigmoid ] && extra+=(--model.router=sigmoid --model.router_bias_update=sign)
-               [ $run = aux ] && extra=(--model.router_bias=false --model.moe_aux_loss_coef=0.01)
-               [ $run = none ] && extra=(--model.router_bias=false)
-               [ $run = batchaux ] && extra=(--model.moe_aux_loss_coef=0.01)
-               [ $run = batchw ] && extra=(--model.router_bias_weights=true)
-               [ $run = batchz ] && extra=(--model.router_z_loss_coef=0.001)
-               [ $run = sigbatch ] && extra=(--model.router=sigmoid)
+               local kind=${run%%.*} extra=(${BIAS_RATE:+--model.router_bias_rate=$BIAS_RATE})
+               [ $kind = solve ] && extra=(--model.router=sigmoid --model.router_bias_update=solve)
+               [ $kind = sigmoid ] && extra+=(--model.router=sigmoid --model.router_bias_update=sign)
+               [ $kind = aux ] && extra=(--model.router_bias=false --model.moe_aux_loss_coef=0.01)
+               [ $kind = none ] && extra=(--model.router_bias=false)
+               [ $kind = batchaux ] && extra=(--model.moe_aux_loss_coef=0.01)
+               [ $kind = batchw ] && extra=(--model.router_bias_weights=true)
+               [ $kind = batchz ] && extra=(--model.router_z_loss_coef=0.001)
+               [ $kind = sigbatch ] && extra=(--model.router=sigmoid)
+               [ "$kind" != "$run" ] && extra+=(--job.seed="${run#*.}")  # KIND.N: KIND's settings from seed N
                [ -n "${BALANCE_BATCH:-}" ] && extra+=(--training.batch_size="$BALANCE_BATCH" --training.micro_batch_size=16)
                logged "balance $run" "$out/balance-$run.log" "${BALANCE_CAP:-240}" python3 -m holotrain.cli train --config moe-balance \
                  --job.run_dir=/tmp/moe-balance-$run "${extra[@]}" "${QUIET[@]}" "${NO_CKPT[@]}"

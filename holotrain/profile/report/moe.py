@@ -43,6 +43,9 @@ def moe_section(rows: list[dict]) -> str | None:
               f"{math.log(n_experts):.3g})"),
              ("balance loss (mean over blocks; 1 = balanced)", _fmt(_num(latest.get("moe.balance_loss")))),
              ("z-loss (mean over blocks)", _fmt(_num(latest.get("moe.z_loss"))))]
+    if _num(latest.get("moe.top_gate")) is not None:  # rows written before this metric have none
+        facts.append(("a token's largest weight over its k (mean over blocks; 1/k: alike)",
+                      _fmt(_num(latest["moe.top_gate"]))))
     if _num(latest.get("moe.expert_bias_max_abs")) is not None:
         facts.append(("largest |balancing bias|", _fmt(_num(latest["moe.expert_bias_max_abs"]))))
     note = ("Loads are token copies (a token counts once for each of its experts) of one logged step, summed over its "
