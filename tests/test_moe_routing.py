@@ -286,18 +286,20 @@ def test_batch_bias_is_kept_after_the_step_for_evaluation():
 
 
 def test_a_fine_tune_may_change_how_the_load_is_balanced(tmp_path):
-    """model.init_from: the balancing settings may differ from the source's (a fine-tune's choice: "batch" and a
-    bias on the softmax router where the source saved "solve" and none), while a dimension that differs is refused.
+    """model.init_from: the balancing settings may differ from the source's (a fine-tune's choice: "batch", a bias
+    on the softmax router and its biased weights where the source saved "solve" and none), while a dimension that
+    differs is refused.
     (A bias the source lacked starts at zero: tests/test_moe.py, from a Hugging Face directory.)"""
     from holotrain.config import ModelConfig
     from holotrain.errors import ConfigError
     from holotrain.model.pretrained import Pretrained, apply_fields
 
     source = Pretrained("run", tmp_path, {"family": "qwen3_moe", "dim": 64, "router_bias": False,
-                                          "router_bias_update": "solve"}, tmp_path / "tokenizer.json")
-    section = ModelConfig(router_bias=True, router_bias_update="batch")
+                                          "router_bias_update": "solve", "router_bias_weights": False},
+                        tmp_path / "tokenizer.json")
+    section = ModelConfig(router_bias=True, router_bias_update="batch", router_bias_weights=True)
     apply_fields(section, source)
-    assert (section.family, section.dim, section.router_bias, section.router_bias_update) == (
-        "qwen3_moe", 64, True, "batch")
+    assert (section.family, section.dim, section.router_bias, section.router_bias_update,
+            section.router_bias_weights) == ("qwen3_moe", 64, True, "batch", True)
     with pytest.raises(ConfigError, match="model.dim = 32 differs from model.init_from's 64"):
         apply_fields(ModelConfig(dim=32), source)

@@ -47,8 +47,9 @@ class ModelConfig(Section):
     router: str = ""
     # A softmax router also chooses by its logits + a per-expert balancing bias (the sigmoid router always has one).
     router_bias: bool = False
-    # ... and weights the chosen experts by the softmax of those biased logits (by default the unbiased softmax's, as
-    # DeepSeek-V3 weights by its unbiased scores): the balanced choice then shapes the block's output too.
+    # With router_bias on a softmax router: the chosen experts weighted by the softmax of the biased logits (false:
+    # by the unbiased softmax's, as DeepSeek-V3 weights by its unbiased scores), so the balanced choice shapes the
+    # block's output too.
     router_bias_weights: bool = False
     norm_topk_prob: bool = False
     moe_every: int = 0

@@ -31,11 +31,11 @@ else:  # pragma: no cover
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# Context-extension settings a run may change from the checkpoint's (the given value wins); every other model
-# dimension given beside init_from must equal the checkpoint's.
-# Fields a run may set otherwise than the model it starts from: the context extension, and how a router's load is
-# balanced (a fine-tune's choice; a balancing bias the source lacked starts at zero).
-OVERRIDABLE = ("max_seq_len", "rope_theta", "rope_scaling", "router_bias", "router_bias_update")
+# Fields a run may set otherwise than the model it starts from (the given value wins): the context extension, and
+# how a router's load is balanced (a fine-tune's choice; a balancing bias the source lacked starts at zero). Every
+# other model dimension given beside init_from must equal the checkpoint's.
+OVERRIDABLE = ("max_seq_len", "rope_theta", "rope_scaling", "router_bias", "router_bias_update",
+               "router_bias_weights")
 
 
 @dataclass
