@@ -252,11 +252,10 @@ class MoE(nn.Module):
                     # for evaluation, generation and the next step's start.
                     self.last_bias = balancing_bias(sample[::stride], bias, self.top_k, BATCH_ROUNDS)
                     bias = torch.where(self.balancing, self.last_bias, bias)
-            experts = (biased + bias).topk(self.top_k, dim=-1).indices
-            if self.bias_weights:  # the balanced choice weighted by the biased logits' softmax
-                weights = (biased + bias).softmax(dim=-1).gather(-1, experts)
-            else:
-                weights = scores.gather(-1, experts)
+            chosen_by = biased + bias
+            experts = chosen_by.topk(self.top_k, dim=-1).indices
+            # With router_bias_weights the balanced choice is weighted by the biased logits' softmax.
+            weights = (chosen_by.softmax(dim=-1) if self.bias_weights else scores).gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts, logits, scores
