@@ -41,6 +41,7 @@ def test_sigmoid_qwen3_moe_builds_and_export_refuses_it():
     ("moe-balance", [], 12, ("softmax", True, "batch")),
     ("moe-balance", ["--model.router_bias=false", "--model.moe_aux_loss_coef=0.01"], 12, ("softmax", False, "batch")),
     ("moe-balance", ["--model.router=sigmoid", "--model.router_bias_update=solve"], 12, ("sigmoid", True, "solve")),
+    (str(REPO / "bench" / "moe_proxy.toml"), [], 4, ("softmax", True, "batch")),  # moe-balance's CPU proxy
 ])
 def test_moe_configs_load_and_resolve(name, overrides, layers, router):
     cfg = resolve(load_config(name, overrides), tokenizer_vocab=32000)
